@@ -20,11 +20,12 @@ depends on: the model (its shapes, not its weights' values: :func:`model_structu
 (a GPU's; a CPU's model name, family and ISA flags), torch thread count, torch version, the CPU row policy (which is
 itself measured first: :func:`ensure_row_policy`) and the calibration's workload.
 A different key re-measures, and so does a file that is unreadable or holds what no calibration writes (a warning
-names it). Processes sharing the cache (a server's workers) each add their batch sizes to one file. Where no cache
-folder is known (no home directory and neither variable set) or it is read-only, a warning says so and each process
-measures for itself. ``CALIBRATIONS`` counts the measurements this process ran (tests). A curve in which n
-tokens cost more than n one-token steps is no machine's (decoding them one by one would be cheaper): it was timed
-while something else ran, and is measured once more; one cached before this check is measured again.
+names it). Processes sharing the cache (a server's workers) each add their batch sizes to one file, measuring one
+at a time (:func:`_measuring_alone`). Where no cache folder is known (no home directory and neither variable set) or
+it is read-only, a warning says so and each process measures for itself. ``CALIBRATIONS`` counts the
+measurements this process ran (tests). A curve in which n tokens cost more than n one-token steps is no machine's
+(decoding them one by one would be cheaper): it was timed while something else ran, and is measured once more; one
+cached before this check is measured again.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ import json
 import logging
 import math
 import os
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,6 +45,7 @@ import torch
 
 from specdec import cpu_info
 from specdec.atomic_write import write_json
+from specdec.folder_lock import FolderInUse, only_writer
 from specdec.generate_inputs import is_finite_number, is_int
 from specdec.kv_cache import available_memory_bytes
 from specdec.models import row_policy
@@ -56,6 +60,7 @@ MEMO_LIMIT = 16
 _MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: the disk read once per key (MEMO_LIMIT)
 _ROWS_DONE: dict[str, dict[int, int]] = {}  # row-policy cache file -> its policy, read or measured in this process
 _PACKING: dict[str, bool] = {}  # row-policy key (without "packed") -> packed weights allowed, decided once per process
+_MEASURING = threading.local()  # .held: this thread holds the cost cache's folder for a measurement
 _WARNED: set[str] = set()  # what a warning said once per process: a damaged file's path, or that no folder is known
 BATCH_QUERY_TOKENS = 128  # a CPU's calibration grid of a batch: sizes n with batch * n above this are extrapolated
 BATCH_CONTEXT_TOKENS = 1024  # and at most this many context tokens are prefilled over the whole batch
@@ -94,6 +99,34 @@ def _one_off(what: str, total: int, unit: str, where: Path | None, said: bool = 
         logger.warning("measuring %s, once%s", what, "" if where is None else f" (cached in {where})")
     with tqdm(total=total, unit=unit, desc="measuring costs", delay=1.0, disable=None, leave=False) as bar:
         yield bar.update
+
+
+@contextlib.contextmanager
+def _measuring_alone(file: Path | None) -> Iterator[None]:
+    """Hold the folder of the cache ``file`` while measuring, so that processes (and threads) sharing the cost cache
+    measure one at a time, each reading what the one before cached: two `specdec generate` started together on an
+    empty cache each timed its products under the other's load, and cached another row policy, and so another verify
+    curve, than the other. Nothing is held where there is no folder or no ``flock``, nor again in a thread that
+    holds it (a measurement inside another)."""
+    if file is None or getattr(_MEASURING, "held", False):
+        yield
+        return
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # the measurement is not cached either (write_cache says so): nothing to wait for
+        yield
+        return
+    with contextlib.ExitStack() as hold:
+        try:
+            hold.enter_context(only_writer(file.parent, "the cost cache"))
+        except FolderInUse:
+            logger.warning("waiting for another process measuring costs in %s", file.parent)
+            hold.enter_context(only_writer(file.parent, "the cost cache", wait=True))
+        _MEASURING.held = True
+        try:
+            yield
+        finally:
+            _MEASURING.held = False
 
 
 def _device(device: torch.device) -> dict:
@@ -326,7 +359,12 @@ def _read_or_measure_rows(runner, config: CalibrationConfig | None, key: dict, f
     """The row policy cached in ``file`` under ``key``, else measured now and cached there (None: not cached)."""
     threads = torch.get_num_threads()
     cols = _cached_cols(read_cache(file), key, file)
-    if cols is None:
+    if cols is not None:
+        return cols
+    with _measuring_alone(file):
+        cols = _cached_cols(read_cache(file), key, file)  # measured meanwhile by another process sharing the cache
+        if cols is not None:
+            return cols
         weights, scales = streamed_weights(runner)
         CALIBRATIONS["rows"] += 1
         t0 = time.perf_counter()
@@ -364,8 +402,13 @@ class CostModel:
             elif b in (saved := self._saved()):  # measured meanwhile by another process sharing the cache
                 self.curves[b] = saved[b]
             else:
-                self.curves[b] = calibrate(self.runner, b, self.config, None if self.file is None else self.file.parent)
-                self.save()
+                with _measuring_alone(self.file):
+                    if b in (saved := self._saved()):  # measured by the process this one waited for
+                        self.curves[b] = saved[b]
+                    else:
+                        where = None if self.file is None else self.file.parent
+                        self.curves[b] = calibrate(self.runner, b, self.config, where)
+                        self.save()
         return self.curves[b]
 
     def measure_up_to(self, batch: int) -> None:

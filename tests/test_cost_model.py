@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -74,6 +75,33 @@ def test_calibration_runs_once_per_key_and_is_reused(fresh, monkeypatch):
     monkeypatch.setattr(cost_model, "_MEMO", {})
     load_cost_model(runner, SMALL, cache_dir=fresh).relative(2, batch=4)
     assert calls == [1, 1, 1, 1, 4]
+
+
+def test_processes_sharing_the_cache_measure_one_at_a_time_and_the_later_reads_the_earlier(fresh, monkeypatch):
+    """Two `specdec generate` started together on an empty cost cache both measured, each timed under the other's
+    load, and each cached its own curve. The second waits for the first's measurement and reads it (two threads
+    stand for the two processes: the cache folder is held with flock, which threads contend for as processes do)."""
+    started, go, calls = threading.Event(), threading.Event(), []
+
+    def calibrate(runner, batch, config, where=None):
+        calls.append(batch)
+        if len(calls) == 1:  # the first measurement lasts until the second caller has come
+            started.set()
+            go.wait(30)
+        return {1: 1.0, 2: 1.5}
+
+    monkeypatch.setattr(cost_model, "calibrate", calibrate)
+    models = [CostModel({"k": 1}, {}, object(), SMALL, fresh / "verify-k.json") for _ in range(2)]
+    first = threading.Thread(target=models[0].curve, args=(1,))
+    first.start()
+    started.wait(30)
+    second = threading.Thread(target=models[1].curve, args=(1,))
+    second.start()
+    second.join(1)  # it waits for the first (before the fix it measured at once)
+    go.set()
+    first.join()
+    second.join()
+    assert calls == [1] and models[1].curves == models[0].curves == {1: {1: 1.0, 2: 1.5}}
 
 
 def test_a_call_measures_the_batch_sizes_it_meets_before_its_first_step(fresh, monkeypatch):
