@@ -59,7 +59,8 @@ def replaced_atomically(path: str | os.PathLike) -> Iterator[Path]:
         # a write that fails (a full disk: ENOSPC) names no file; the user's error line names the one meant
         raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
-        tmp.unlink(missing_ok=True)
+        if os.path.lexists(tmp):  # never made (a read-only file system): its unlink raised EROFS, not ENOENT
+            tmp.unlink(missing_ok=True)
         if hold is not None:
             os.close(hold)  # the lock goes with the descriptor
 

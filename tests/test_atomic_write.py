@@ -88,6 +88,27 @@ def test_a_full_disk_names_the_file_meant(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_read_only_file_system_names_the_file_meant(tmp_path, monkeypatch):
+    """A cost cache on a read-only file system: the error named the temporary file ("Read-only file system:
+    'rows-....json.20543.139921621117824.tmp'"): removing the temporary file that was never made raised EROFS (a
+    read-only file system answers so even for a name it does not hold), in place of the error naming the file."""
+    path = tmp_path / "rows.json"
+    real_open, real_unlink = os.open, os.unlink
+
+    def read_only(call):
+        def refused(file, *args, **kwargs):
+            if str(file).endswith(".tmp"):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(file))
+            return call(file, *args, **kwargs)
+        return refused
+
+    monkeypatch.setattr(os, "open", read_only(real_open))
+    monkeypatch.setattr(os, "unlink", read_only(real_unlink))
+    with pytest.raises(OSError) as raised:
+        write_json(path, {"a": 1})
+    assert raised.value.errno == errno.EROFS and raised.value.filename == str(path)
+
+
 @pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="POSIX modes, which root is not refused by")
 def test_a_folder_this_user_may_not_write_names_the_file_meant(tmp_path):
     """Another user's folder (a shared cost cache, an --out): the error named the temporary file,
