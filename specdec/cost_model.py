@@ -49,6 +49,7 @@ from specdec.folder_lock import FolderInUse, only_writer
 from specdec.generate_inputs import is_finite_number, is_int
 from specdec.kv_cache import available_memory_bytes
 from specdec.models import row_policy
+from specdec.output_dirs import why_uncreatable
 from specdec.sampling import SamplingConfig
 from specdec.tree import MAX_TREE_NODES
 
@@ -96,7 +97,9 @@ def _one_off(what: str, total: int, unit: str, where: Path | None, said: bool = 
     from tqdm.auto import tqdm
 
     if not said:
-        logger.warning("measuring %s, once%s", what, "" if where is None else f" (cached in {where})")
+        why = None if where is None else why_uncreatable(where)  # a read-only cache: not "once", nor "cached"
+        logger.warning("measuring %s, %s", what, "once" if where is None else
+                       f"once (cached in {where})" if why is None else f"for this process only (not cached: {why})")
     with tqdm(total=total, unit=unit, desc="measuring costs", delay=1.0, disable=None, leave=False) as bar:
         yield bar.update
 

@@ -530,6 +530,21 @@ def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fr
         torch.set_num_threads(threads)
 
 
+def test_a_measurement_a_read_only_cache_cannot_keep_is_not_said_to_be_cached(fresh, monkeypatch, caplog,
+                                                                             read_only):
+    """A cost cache on a read-only mount: each one-off said "measuring ..., once (cached in DIR)", then that it could
+    not be cached. It says at once that it measures for this process only, and why."""
+    monkeypatch.setattr(verify_cost, "measure_verify_costs", lambda runner, prompts, sizes, *a, **kw:
+                        {n: 1e-3 * n ** 0.5 for n in sizes})
+    read_only(fresh)
+    row_policy.uninstall()
+    with caplog.at_level("WARNING", logger="specdec.cost_model"):
+        load_cost_model(LlamaRunner(build_tiny_model(seed=0)), SMALL, cache_dir=fresh)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("measuring")]
+    assert len(said) == 2 and all(f"for this process only (not cached: {fresh} is not writable)" in line
+                                  for line in said)
+
+
 @pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_the_calibrations_warm_up_round_is_not_timed(monkeypatch):
     """An engine whose first round of steps takes 1 s each (a first call's one-offs) and later steps 1 ms per
