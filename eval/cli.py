@@ -291,8 +291,9 @@ def check_cells_writable(out: Path) -> None:
     cells = out / "cells"
     why = why_uncreatable(cells) if cells.is_dir() else None
     if why is not None:
-        raise ValueError(f"--out {out}: --resume cannot add cells: {why} (another user's run?); continue it as the "
-                         "user who started it, or name another directory")
+        raise ValueError(f"--out {out}: --resume cannot add cells: {why} (another user's run?); ask its owner to let "
+                         f"you write it (chmod -R g+w {out}), or copy the run to a folder of your own (cp -r {out} "
+                         "NEW) and resume with --out NEW")
 
 
 def check_own_report(out: Path) -> None:

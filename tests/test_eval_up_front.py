@@ -69,8 +69,9 @@ def test_a_resume_whose_cells_folder_cannot_be_written_into_is_refused_before_an
     code, captured = _main(["eval", "acceptance", "--model", ckpt, "--categories", "chat", "--prompts", "1", *RUN,
                             "--out", str(out), "--resume"], capsys)
     assert code == 2 and _one_line(captured).endswith(
-        f"--out {out}: --resume cannot add cells: {cells} is not writable (another user's run?); continue it as the "
-        "user who started it, or name another directory")
+        f"--out {out}: --resume cannot add cells: {cells} is not writable (another user's run?); ask its owner to "
+        f"let you write it (chmod -R g+w {out}), or copy the run to a folder of your own (cp -r {out} NEW) and "
+        "resume with --out NEW")
 
 
 def test_a_certificate_whose_samples_fall_in_one_bin_is_strict_json(ckpt, tmp_path, capsys):
