@@ -6,12 +6,13 @@ from __future__ import annotations
 import tempfile
 
 from specdec.models import embedded
+from tests.test_gguf_llama import write_llama_gguf
 
 
 def test_an_unwritable_cache_converts_once_per_process(tmp_path, monkeypatch, caplog):
     calls = []
 
-    def convert_into(gguf_path, out):
+    def convert_into(gguf_path, out, **kw):
         calls.append(out)
         (out / "model.safetensors").write_bytes(b"weights" * 1000)
         (out / "config.json").write_text('{"model_type": "llama"}')
@@ -34,3 +35,20 @@ def test_an_unwritable_cache_converts_once_per_process(tmp_path, monkeypatch, ca
     again = embedded.convert_gguf(gguf, embedded.converted_dir(gguf))
     assert len(calls) == 2 and again == calls[1] != got[0] and embedded.is_intact(again)
     assert embedded.convert_gguf(gguf, embedded.converted_dir(gguf)) == again and len(calls) == 2
+
+
+def test_a_conversion_for_this_run_only_is_not_called_one_time(tmp_path, monkeypatch, caplog):
+    """Its first warning said the conversion was for this run only, the next "converting m.gguf (one-time
+    dequantization, ~10 s) into /tmp": it is done again by every run."""
+    monkeypatch.setattr(embedded, "_TEMPORARY", {})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker))
+    gguf = write_llama_gguf(tmp_path / "m.gguf")
+    with caplog.at_level("WARNING", logger="specdec.models.embedded"):
+        embedded.convert_gguf(gguf, embedded.converted_dir(gguf))
+    converting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("converting m.gguf")]
+    assert len(converting) == 1 and "(dequantization for this run only, ~10 s)" in converting[0], caplog.text
+    assert "one-time" not in caplog.text

@@ -532,11 +532,12 @@ def _unreadable(directory: Path) -> Path | None:
     return next((p for p in sorted(directory.iterdir()) if not os.access(p, os.R_OK)), None)
 
 
-def _convert_into(gguf_path: Path, out: Path) -> None:
+def _convert_into(gguf_path: Path, out: Path, kept: bool = True) -> None:
     """Check `gguf_path` (:func:`check_gguf`, :func:`check_convertible`), then dequantize it into the (empty)
     directory `out`: a plain llama file read directly (:mod:`specdec.models.gguf_llama`), any other through
     transformers (refused unless every tensor is used and every parameter filled: :func:`_check_filled`); the
-    tokenizer through transformers (none, for token ids only, when the file holds no vocabulary)."""
+    tokenizer through transformers (none, for token ids only, when the file holds no vocabulary). ``kept``: into the
+    cache, not a folder for this run only (said so)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -546,7 +547,8 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     check_gguf(gguf_path)
     header = check_convertible(gguf_path)
     require_package("gguf", "gguf")  # transformers' tokenizer conversion raised a bare ImportError without it
-    logger.warning("converting %s (one-time dequantization, ~10 s) into %s", gguf_path.name, out.parent)
+    logger.warning("converting %s (%s, ~10 s) into %s", gguf_path.name,
+                   "one-time dequantization" if kept else "dequantization for this run only", out.parent)
 
     if header is not None and "tokenizer.ggml.tokens" not in header[1]:
         logger.warning("%s holds no tokenizer (tokenizer.ggml.tokens): converted without one, for token ids only",
@@ -632,7 +634,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         held.enter_context(only_writer(tmp, "the model cache's conversion folder", wait=True))
     try:
         try:
-            _convert_into(gguf_path, tmp)
+            _convert_into(gguf_path, tmp, kept=out_dir is not None)
         except SpecdecError:  # GGUFError, UnsupportedModelError: one line already
             raise
         # what a bad file makes the conversion raise (transformers: NotImplementedError for a model type gguf-py does
