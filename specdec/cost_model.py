@@ -277,8 +277,9 @@ def write_cache(file: Path | None, data: dict) -> None:
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         write_json(file, data)
-    except OSError as err:  # a read-only cache dir costs a re-measurement next time, nothing else
-        logger.warning("cost model: cannot write %s (%s); the measurement is not cached", file, err)
+    except OSError as err:  # a read-only cache dir costs a re-measurement next time, nothing else (said once)
+        _warn_once(f"unwritable {file.parent}", "cost model: cannot write into %s (%s); measurements are not cached",
+                   file.parent, err.strerror or err)
 
 
 def streamed_weights(runner, budget_bytes: int = STREAM_BYTES) -> tuple[list[torch.Tensor], list[float]]:

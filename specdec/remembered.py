@@ -36,6 +36,7 @@ _UNSAVED: set[tuple[str, tuple]] = set()  # persisted (decider, key) remembered 
 _MISSING = object()  # read from disk once and absent there
 _FOLDER: Path | None = None  # use_folder(); None: <cost dir>/remembered
 _UNSAVED_LOCK = threading.Lock()  # concurrent generate() calls: save() takes its batch while others remember
+_UNWRITABLE: set[Path] = set()  # folders a save could not write into: said once per process, not at every call
 
 
 def use_folder(folder: str | Path | None) -> None:
@@ -113,7 +114,10 @@ def save() -> None:
         try:
             write_json(file, {"key": [decider, key], "value": _STORE[(decider, key)]})
         except OSError as err:  # a read-only cache: this process still remembers
-            logger.warning("remembered: could not write %s (%s)", file, err)
+            if file.parent not in _UNWRITABLE:
+                _UNWRITABLE.add(file.parent)
+                logger.warning("remembered: cannot write into %s (%s); what this process learns is not kept for the "
+                               "next", file.parent, err.strerror or err)
 
 
 def forget_all() -> None:

@@ -136,6 +136,28 @@ def test_a_damaged_guard_memory_is_a_fresh_start(tmp_path, caplog, field, value)
         "starting fresh"]
 
 
+def test_a_cache_that_cannot_be_written_is_said_once_per_folder(tmp_path, monkeypatch, caplog):
+    """A read-only cost cache: the guard's memory warned "could not write FILE" at the end of every generate()
+    call (and the cost model once per file), lines landing among the streamed text."""
+    def read_only(path, data):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(remembered, "write_json", read_only)
+    monkeypatch.setattr(cost_model, "write_json", read_only)
+    monkeypatch.setattr(remembered, "_UNWRITABLE", set())
+    monkeypatch.setattr(cost_model, "_WARNED", set())
+    remembered.use_folder(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        for call in range(3):
+            remembered.remember("guard", ("read-only", call), {"price": 1.0}, persist=True)
+            remembered.save()
+            cost_model.write_cache(tmp_path / f"verify-{call}.json", {})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"remembered: cannot write into {tmp_path} (Read-only file system); what this process learns is not kept "
+        "for the next",
+        f"cost model: cannot write into {tmp_path} (Read-only file system); measurements are not cached"]
+
+
 def test_workers_sharing_a_cost_cache_keep_each_others_batch_sizes(measured, tmp_path):
     runner = LlamaRunner(build_tiny_model())
     first = load_cost_model(runner, SMALL, cache_dir=tmp_path)
