@@ -648,6 +648,28 @@ def test_a_transformers_older_than_the_checked_one_is_refused_before_loading(tmp
     assert load_model(str(tmp_path / "m")).runner.shape.vocab_size == 32
 
 
+def test_a_torch_older_than_the_checked_one_is_refused_before_loading(tmp_path, monkeypatch):
+    """pyproject allowed torch 2.4, on which transformers 5.25 runs no model: loading failed in a many-line
+    ImportError from inside transformers. A torch older than the oldest the model tests ran on is refused in one
+    line naming the version to install."""
+    from specdec.models import transformers_version
+
+    _tiny_dir(tmp_path / "m")
+    real = transformers_version.metadata.version
+    monkeypatch.setattr(transformers_version.metadata, "version",
+                        lambda name: "2.4.1+cu121" if name == "torch" else real(name))
+    transformers_version.check_installed.cache_clear()
+    try:
+        with pytest.raises(transformers_version.TorchTooOld) as err:
+            load_model(str(tmp_path / "m"))
+        assert str(err.value) == (
+            f"torch 2.4.1+cu121 is installed; specdec needs {transformers_version.OLDEST_TORCH} or later, the oldest "
+            f"its model tests were run on (transformers {real('transformers')} runs no model on an older one): "
+            f"pip install 'torch>={transformers_version.OLDEST_TORCH}'")
+    finally:
+        transformers_version.check_installed.cache_clear()
+
+
 def test_a_checkpoint_directory_named_like_a_gguf_file_loads_as_one(tmp_path):
     """A folder named `m.gguf` was refused as "GGUF file not found", though it is there and holds a checkpoint."""
     path = tmp_path / "m.gguf"

@@ -80,6 +80,17 @@ def test_the_transformers_floor_is_the_one_specdec_checks():
     assert [d for d in deps if d.startswith("transformers")] == [f"transformers>={OLDEST}"]
 
 
+def test_the_torch_floor_is_the_one_specdec_checks():
+    """pyproject allowed torch 2.4, on which transformers runs no model; the floor pip installs and the one
+    load_model refuses below are one number."""
+    import tomllib
+
+    from specdec.models.transformers_version import OLDEST_TORCH
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [d for d in deps if d.startswith("torch")] == [f"torch>={OLDEST_TORCH}"]
+
+
 def test_the_version_is_the_one_the_metadata_gives():
     """`specdec --version` says specdec.__version__, the wheel's metadata pyproject's version: written in both, a
     release that bumped one would say another version than the one installed."""

@@ -1,4 +1,5 @@
-"""The transformers versions specdec runs with: what it is checked against, and a config written by a later one.
+"""The transformers and torch versions specdec runs with: what it is checked against, and a config written by a later
+transformers.
 
 specdec runs its own forward on the weights transformers loads, so the loading must be one its checks were run
 against. transformers 4.56 (pyproject's floor once) loaded a checkpoint missing a tensor with random weights and
@@ -6,8 +7,10 @@ read 5.x's configs with another RoPE base; 5.12 computed dynamic RoPE otherwise 
 the oldest release the model tests (loading, generation against transformers, GGUF) were run against and passed
 but for refusal messages transformers words itself; :func:`check_installed` refuses an older one in one line
 wherever a model is loaded, since pip only warns when another package's install brings one. :data:`OLDEST` is
-pyproject.toml's floor too (a test holds them equal). :func:`check_written_by` refuses a config.json a later major
-version wrote.
+pyproject.toml's floor too (a test holds them equal). :data:`OLDEST_TORCH` is likewise torch's: transformers 5.25
+runs no model on a torch older than 2.6 (it disables torch, and loading fails in a many-line ImportError), and 2.6 is
+the oldest torch the model tests were run on. :func:`check_written_by` refuses a config.json a later major version
+wrote.
 """
 from __future__ import annotations
 
@@ -21,20 +24,31 @@ from packaging.version import Version
 from specdec.errors import InputError
 
 OLDEST = "5.17"
+OLDEST_TORCH = "2.6"
 
 
 class TransformersTooOld(InputError):
     """The installed transformers is older than :data:`OLDEST`."""
 
 
+class TorchTooOld(InputError):
+    """The installed torch is older than :data:`OLDEST_TORCH`."""
+
+
 @functools.cache
 def check_installed() -> None:
-    """Refuse a transformers older than :data:`OLDEST` (checked once per process)."""
+    """Refuse a transformers older than :data:`OLDEST` or a torch older than :data:`OLDEST_TORCH` (checked once per
+    process)."""
     installed = metadata.version("transformers")
     if Version(installed) < Version(OLDEST):
         raise TransformersTooOld(f"transformers {installed} is installed; specdec needs {OLDEST} or later, whose "
                                  f"loading its forward is checked against (older ones load some models as other "
                                  f"models, silently): pip install 'transformers>={OLDEST}'")
+    torch_installed = metadata.version("torch")
+    if Version(torch_installed) < Version(OLDEST_TORCH):
+        raise TorchTooOld(f"torch {torch_installed} is installed; specdec needs {OLDEST_TORCH} or later, the oldest "
+                          f"its model tests were run on (transformers {installed} runs no model on an older one): "
+                          f"pip install 'torch>={OLDEST_TORCH}'")
 
 
 def check_written_by(file: Path, saved: Any) -> None:
