@@ -65,8 +65,10 @@ class Launches(TorchDispatchMode):
         except ImportError:  # no Triton: aten ops only
             return super().__enter__()
         counter = self
-        for cls in (interpreter.InterpretedFunction, jit.JITFunction):  # the interpreter's launches, a GPU's
-            real = cls.run
+        # the interpreter's launches (every Triton 3.x runs a grid's programs in GridExecutor.__call__, which 3.0-3.2
+        # reach from ``kernel[grid]`` without InterpretedFunction.run), a GPU's
+        for cls, method in ((interpreter.GridExecutor, "__call__"), (jit.JITFunction, "run")):
+            real = getattr(cls, method)
 
             def run(fn, *args, real=real, **kwargs):  # a kernel launch: counted once, its inner tensor ops not at all
                 if not kwargs.get("warmup"):  # a warm-up compiles only
@@ -77,12 +79,12 @@ class Launches(TorchDispatchMode):
                 finally:
                     counter.paused -= 1
 
-            cls.run = run
-            self._runs.append((cls, real))
+            setattr(cls, method, run)
+            self._runs.append((cls, method, real))
         return super().__enter__()
 
     def __exit__(self, *exc):
         while self._runs:
-            cls, real = self._runs.pop()
-            cls.run = real
+            cls, method, real = self._runs.pop()
+            setattr(cls, method, real)
         return super().__exit__(*exc)

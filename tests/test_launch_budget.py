@@ -175,6 +175,33 @@ def test_a_gpu_s_triton_launches_are_counted_once_and_its_warm_ups_not(monkeypat
     assert jit.JITFunction.run is launch
 
 
+def test_the_interpreters_launches_are_counted_without_a_run_method(monkeypatch):
+    """Triton 3.0-3.2 (3.2 is the one torch 2.6, specdec's floor, brings) has no InterpretedFunction.run: a
+    ``kernel[grid](...)`` runs its GridExecutor directly, and entering Launches failed with an AttributeError. Every
+    3.x runs a launch in GridExecutor.__call__: each counts once, its own tensor work not; leaving puts it back."""
+    import types
+
+    import torch
+    import triton.runtime.interpreter as interpreter
+
+    from specdec.launches import Launches
+
+    def execute(executor, *args, **kwargs):
+        torch.ones(2).add_(1)
+
+    def _rope_kernel():
+        pass
+
+    monkeypatch.delattr(interpreter.InterpretedFunction, "run", raising=False)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", execute)
+    executor = types.SimpleNamespace(fn=_rope_kernel)
+    with Launches() as counter:
+        interpreter.GridExecutor.__call__(executor, 1)
+        torch.zeros(2).add_(1)
+    assert dict(counter.ops) == {"triton:_rope_kernel": 1, "zeros": 1, "add_": 1}, dict(counter.ops)
+    assert interpreter.GridExecutor.__call__ is execute
+
+
 def test_an_eager_forward_computes_its_grids_without_tritons_constexpr_helpers(counting, monkeypatch):
     """A prefill or an uncaptured step runs its launches from the host, each with its grid and block widths: Triton's
     ``cdiv`` / ``next_power_of_2`` are constexpr functions whose host calls unwrap every argument (hundreds of calls
