@@ -9,9 +9,12 @@ import os
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ["drafters", "kernels", "train", "eval"]
@@ -89,6 +92,21 @@ def test_the_torch_floor_is_the_one_specdec_checks():
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert [d for d in deps if d.startswith("torch")] == [f"torch>={OLDEST_TORCH}"]
+
+
+def test_no_floor_is_below_what_transformers_itself_imports_with():
+    """pyproject allowed safetensors 0.4 and tokenizers 0.20, under which transformers (5.17 on) refuses to import
+    (an ImportError from its own version check): a floor no install can run. Those it checks at import are at least
+    the installed transformers' floors."""
+    import tomllib
+
+    ours = {Requirement(d).name: Requirement(d).specifier
+            for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    for requirement in map(Requirement, metadata.requires("transformers")):
+        if requirement.name in ("safetensors", "tokenizers") and not requirement.marker:
+            theirs = min(s.version for s in requirement.specifier if s.operator == ">=")
+            floor = min(s.version for s in ours[requirement.name] if s.operator == ">=")
+            assert Version(floor) >= Version(theirs), (requirement, ours[requirement.name])
 
 
 def test_the_version_is_the_one_the_metadata_gives():
