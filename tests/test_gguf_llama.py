@@ -514,6 +514,23 @@ def test_a_file_transformers_cannot_convert_is_one_line(tmp_path, monkeypatch):
     assert _nothing_cached(tmp_path)
 
 
+def test_a_gguf_older_than_the_checked_one_is_refused_before_any_conversion(tmp_path, monkeypatch):
+    """gguf 0.10 (pyproject's floor once) reads no file under numpy 2: the embedded model failed to convert with
+    "cannot build the tokenizer of ... from its tokenizer.ggml metadata: 'memmap' object has no attribute
+    'newbyteorder'", blaming the file. An older gguf than the checked one is refused in one line, nothing cached."""
+    from specdec.models import transformers_version
+
+    real = transformers_version.metadata.version
+    monkeypatch.setattr(transformers_version.metadata, "version",
+                        lambda name: "0.10.0" if name == "gguf" else real(name))
+    path = write_llama_gguf(tmp_path / "m.gguf")
+    with pytest.raises(transformers_version.GGUFTooOld, match=re.escape(
+            f"gguf 0.10.0 is installed; converting a .gguf needs {transformers_version.OLDEST_GGUF} or later (older "
+            f"ones read no file under numpy 2): pip install 'gguf>={transformers_version.OLDEST_GGUF}'")):
+        _convert(tmp_path, path)
+    assert _nothing_cached(tmp_path)
+
+
 def test_a_file_without_a_vocabulary_converts_for_token_ids(tmp_path, caplog):
     """No tokenizer.ggml.tokens: converted without a tokenizer, as a checkpoint directory without one loads (token
     ids only), said in a warning; transformers' tokenizer conversion failed on it with a bare KeyError."""

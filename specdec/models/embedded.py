@@ -543,10 +543,12 @@ def _convert_into(gguf_path: Path, out: Path, kept: bool = True) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from specdec.models import checkpoint_files, gguf_llama
+    from specdec.models.transformers_version import check_gguf_installed
 
     check_gguf(gguf_path)
     header = check_convertible(gguf_path)
     require_package("gguf", "gguf")  # transformers' tokenizer conversion raised a bare ImportError without it
+    check_gguf_installed()  # gguf 0.10-0.11 read no file under numpy 2
     logger.warning("converting %s (%s, ~10 s) into %s", gguf_path.name,
                    "one-time dequantization" if kept else "dequantization for this run only", out.parent)
 

@@ -9,8 +9,9 @@ but for refusal messages transformers words itself; :func:`check_installed` refu
 wherever a model is loaded, since pip only warns when another package's install brings one. :data:`OLDEST` is
 pyproject.toml's floor too (a test holds them equal). :data:`OLDEST_TORCH` is likewise torch's: transformers 5.25
 runs no model on a torch older than 2.6 (it disables torch, and loading fails in a many-line ImportError), and 2.6 is
-the oldest torch the model tests were run on. :func:`check_written_by` refuses a config.json a later major version
-wrote.
+the oldest torch the model tests were run on. :data:`OLDEST_GGUF` is the ``gguf`` extra's: gguf 0.10 and 0.11 read
+no .gguf under numpy 2 (``ndarray.newbyteorder`` is gone); :func:`check_gguf_installed` refuses them before a
+conversion. :func:`check_written_by` refuses a config.json a later major version wrote.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from specdec.errors import InputError
 
 OLDEST = "5.17"
 OLDEST_TORCH = "2.6"
+OLDEST_GGUF = "0.13"
 
 
 class TransformersTooOld(InputError):
@@ -33,6 +35,10 @@ class TransformersTooOld(InputError):
 
 class TorchTooOld(InputError):
     """The installed torch is older than :data:`OLDEST_TORCH`."""
+
+
+class GGUFTooOld(InputError):
+    """The installed gguf is older than :data:`OLDEST_GGUF`."""
 
 
 @functools.cache
@@ -49,6 +55,15 @@ def check_installed() -> None:
         raise TorchTooOld(f"torch {torch_installed} is installed; specdec needs {OLDEST_TORCH} or later, the oldest "
                           f"its model tests were run on (transformers {installed} runs no model on an older one): "
                           f"pip install 'torch>={OLDEST_TORCH}'")
+
+
+def check_gguf_installed() -> None:
+    """Refuse a gguf older than :data:`OLDEST_GGUF`, whose reader fails on every file under numpy 2 with a message
+    that blames the file's metadata."""
+    installed = metadata.version("gguf")
+    if Version(installed) < Version(OLDEST_GGUF):
+        raise GGUFTooOld(f"gguf {installed} is installed; converting a .gguf needs {OLDEST_GGUF} or later (older ones "
+                         f"read no file under numpy 2): pip install 'gguf>={OLDEST_GGUF}'")
 
 
 def check_written_by(file: Path, saved: Any) -> None:
