@@ -17,7 +17,7 @@ from specdec.folder_lock import only_writer
 from specdec.models import embedded
 
 
-def _writes_a_checkpoint(gguf_path, out):
+def _writes_a_checkpoint(gguf_path, out, **kw):
     """A conversion's stand-in: the files an intact conversion holds."""
     (out / "config.json").write_text('{"model_type": "llama"}')
     (out / "model.safetensors").write_bytes(b"weights")
@@ -25,7 +25,7 @@ def _writes_a_checkpoint(gguf_path, out):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no flock: a running conversion cannot be told from a dead one")
 def test_a_conversion_removes_what_killed_ones_left_and_nothing_else(tmp_path, monkeypatch, caplog):
-    def convert_into(gguf_path, out):
+    def convert_into(gguf_path, out, **kw):
         (out / "model.safetensors").write_bytes(b"weights" * 1000)
         (out / "config.json").write_text('{"model_type": "llama"}')
 
@@ -135,7 +135,7 @@ def test_a_conversion_another_process_runs_is_waited_for_not_done_again(tmp_path
     each converted it: twice the time, the memory and the disk. The second waits for the first's and loads it."""
     converted = []
 
-    def convert_into(gguf_path, out):
+    def convert_into(gguf_path, out, **kw):
         converted.append(out)
         (out / "config.json").write_text('{"model_type": "llama"}')
         (out / "model.safetensors").write_bytes(b"weights")

@@ -518,15 +518,15 @@ def test_a_gguf_older_than_the_checked_one_is_refused_before_any_conversion(tmp_
     """gguf 0.10 (pyproject's floor once) reads no file under numpy 2: the embedded model failed to convert with
     "cannot build the tokenizer of ... from its tokenizer.ggml metadata: 'memmap' object has no attribute
     'newbyteorder'", blaming the file. An older gguf than the checked one is refused in one line, nothing cached."""
-    from specdec.models import transformers_version
+    from specdec.models import installed_versions
 
-    real = transformers_version.metadata.version
-    monkeypatch.setattr(transformers_version.metadata, "version",
+    real = installed_versions.metadata.version
+    monkeypatch.setattr(installed_versions.metadata, "version",
                         lambda name: "0.10.0" if name == "gguf" else real(name))
     path = write_llama_gguf(tmp_path / "m.gguf")
-    with pytest.raises(transformers_version.GGUFTooOld, match=re.escape(
-            f"gguf 0.10.0 is installed; converting a .gguf needs {transformers_version.OLDEST_GGUF} or later (older "
-            f"ones read no file under numpy 2): pip install 'gguf>={transformers_version.OLDEST_GGUF}'")):
+    with pytest.raises(installed_versions.GGUFTooOld, match=re.escape(
+            f"gguf 0.10.0 is installed; converting a .gguf needs {installed_versions.OLDEST_GGUF} or later (older "
+            f"ones read no file under numpy 2): pip install 'gguf>={installed_versions.OLDEST_GGUF}'")):
         _convert(tmp_path, path)
     assert _nothing_cached(tmp_path)
 

@@ -37,7 +37,7 @@ def fake_conversion(monkeypatch) -> list:
     """Replaces the ~30 s dequantization with one that writes small files and records each call."""
     calls = []
 
-    def convert_into(gguf_path, out):
+    def convert_into(gguf_path, out, **kw):
         calls.append(out)
         (out / "model.safetensors").write_bytes(b"weights" * 1000)
         (out / "config.json").write_text('{"model_type": "llama"}')
@@ -629,21 +629,21 @@ def test_a_transformers_older_than_the_checked_one_is_refused_before_loading(tmp
     5.12 computed dynamic RoPE otherwise: the model ran as another, silently. An older one than the oldest the model
     tests passed on (pip only warns where another package's install brings it) is refused in one line wherever a
     model loads."""
-    from specdec.models import transformers_version
+    from specdec.models import installed_versions
 
     _tiny_dir(tmp_path / "m")
-    monkeypatch.setattr(transformers_version.metadata, "version", lambda name: installed)
-    transformers_version.check_installed.cache_clear()
+    monkeypatch.setattr(installed_versions.metadata, "version", lambda name: installed)
+    installed_versions.check_installed.cache_clear()
     try:
         for spec in (str(tmp_path / "m"), build_tiny_model()):
-            with pytest.raises(transformers_version.TransformersTooOld) as err:
+            with pytest.raises(installed_versions.TransformersTooOld) as err:
                 load_model(spec)
             assert str(err.value) == (
-                f"transformers {installed} is installed; specdec needs {transformers_version.OLDEST} or later, whose "
+                f"transformers {installed} is installed; specdec needs {installed_versions.OLDEST} or later, whose "
                 "loading its forward is checked against (older ones load some models as other models, silently): "
-                f"pip install 'transformers>={transformers_version.OLDEST}'")
+                f"pip install 'transformers>={installed_versions.OLDEST}'")
     finally:
-        transformers_version.check_installed.cache_clear()
+        installed_versions.check_installed.cache_clear()
     monkeypatch.undo()
     assert load_model(str(tmp_path / "m")).runner.shape.vocab_size == 32
 
@@ -652,22 +652,22 @@ def test_a_torch_older_than_the_checked_one_is_refused_before_loading(tmp_path, 
     """pyproject allowed torch 2.4, on which transformers 5.25 runs no model: loading failed in a many-line
     ImportError from inside transformers. A torch older than the oldest the model tests ran on is refused in one
     line naming the version to install."""
-    from specdec.models import transformers_version
+    from specdec.models import installed_versions
 
     _tiny_dir(tmp_path / "m")
-    real = transformers_version.metadata.version
-    monkeypatch.setattr(transformers_version.metadata, "version",
+    real = installed_versions.metadata.version
+    monkeypatch.setattr(installed_versions.metadata, "version",
                         lambda name: "2.4.1+cu121" if name == "torch" else real(name))
-    transformers_version.check_installed.cache_clear()
+    installed_versions.check_installed.cache_clear()
     try:
-        with pytest.raises(transformers_version.TorchTooOld) as err:
+        with pytest.raises(installed_versions.TorchTooOld) as err:
             load_model(str(tmp_path / "m"))
         assert str(err.value) == (
-            f"torch 2.4.1+cu121 is installed; specdec needs {transformers_version.OLDEST_TORCH} or later, the oldest "
+            f"torch 2.4.1+cu121 is installed; specdec needs {installed_versions.OLDEST_TORCH} or later, the oldest "
             f"its model tests were run on (transformers {real('transformers')} runs no model on an older one): "
-            f"pip install 'torch>={transformers_version.OLDEST_TORCH}'")
+            f"pip install 'torch>={installed_versions.OLDEST_TORCH}'")
     finally:
-        transformers_version.check_installed.cache_clear()
+        installed_versions.check_installed.cache_clear()
 
 
 def test_a_checkpoint_directory_named_like_a_gguf_file_loads_as_one(tmp_path):

@@ -13,8 +13,6 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
-from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ["drafters", "kernels", "train", "eval"]
@@ -77,7 +75,7 @@ def test_the_transformers_floor_is_the_one_specdec_checks():
     one number."""
     import tomllib
 
-    from specdec.models.transformers_version import OLDEST
+    from specdec.models.installed_versions import OLDEST
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert [d for d in deps if d.startswith("transformers")] == [f"transformers>={OLDEST}"]
@@ -88,25 +86,10 @@ def test_the_torch_floor_is_the_one_specdec_checks():
     load_model refuses below are one number."""
     import tomllib
 
-    from specdec.models.transformers_version import OLDEST_TORCH
+    from specdec.models.installed_versions import OLDEST_TORCH
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert [d for d in deps if d.startswith("torch")] == [f"torch>={OLDEST_TORCH}"]
-
-
-def test_no_floor_is_below_what_transformers_itself_imports_with():
-    """pyproject allowed safetensors 0.4 and tokenizers 0.20, under which transformers (5.17 on) refuses to import
-    (an ImportError from its own version check): a floor no install can run. Those it checks at import are at least
-    the installed transformers' floors."""
-    import tomllib
-
-    ours = {Requirement(d).name: Requirement(d).specifier
-            for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
-    for requirement in map(Requirement, metadata.requires("transformers")):
-        if requirement.name in ("safetensors", "tokenizers") and not requirement.marker:
-            theirs = min(s.version for s in requirement.specifier if s.operator == ">=")
-            floor = min(s.version for s in ours[requirement.name] if s.operator == ">=")
-            assert Version(floor) >= Version(theirs), (requirement, ours[requirement.name])
 
 
 def test_the_version_is_the_one_the_metadata_gives():
@@ -187,7 +170,6 @@ def test_core_imports_need_only_core_dependencies():
     the closure of the core dependencies."""
     import ast
     import re
-    from importlib import metadata
 
     import tomllib
 
@@ -246,7 +228,6 @@ def _requirements(pyproject: dict, extra: str) -> list[str]:
 
 def _allowed(requirements: list[str]) -> set[str]:
     """The distributions those requirements install: their closure through installed metadata, without extras."""
-    from importlib import metadata
 
     allowed, todo = set(), [_dist_name(r) for r in requirements]
     while todo:
@@ -261,7 +242,6 @@ def _allowed(requirements: list[str]) -> set[str]:
 
 
 def _owners(module: str) -> set[str]:
-    from importlib import metadata
 
     if not hasattr(_owners, "table"):
         _owners.table = metadata.packages_distributions()
@@ -566,7 +546,6 @@ def _run_under_extra(extra: str, argvs: list[list[str]], cwd: Path) -> subproces
 
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     allowed = _allowed(_requirements(pyproject, extra))
-    from importlib import metadata
 
     blocked = sorted(m for m, dists in metadata.packages_distributions().items()
                      if m not in sys.stdlib_module_names and m != "specdec"

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from specdec.errors import InputError, ModelNotFoundError
+from specdec.models.installed_versions import check_written_by
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_rope_type, rope_type
 from specdec.models.runnable import quant_method, quantized_refusal
-from specdec.models.transformers_version import check_written_by
 
 logger = logging.getLogger(__name__)
 

@@ -543,7 +543,7 @@ def _convert_into(gguf_path: Path, out: Path, kept: bool = True) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from specdec.models import checkpoint_files, gguf_llama
-    from specdec.models.transformers_version import check_gguf_installed
+    from specdec.models.installed_versions import check_gguf_installed
 
     check_gguf(gguf_path)
     header = check_convertible(gguf_path)

@@ -42,8 +42,8 @@ from specdec.errors import InputError, InputTypeError, ModelNotFoundError, close
 from specdec.generation_config import LOAD_ARGUMENTS
 from specdec.models import checkpoint_files, embedded, runnable, synthetic
 from specdec.models.fused_projections import pack_projections
+from specdec.models.installed_versions import check_installed
 from specdec.models.llama import LlamaRunner, check_supported
-from specdec.models.transformers_version import check_installed
 
 logger = logging.getLogger(__name__)
 

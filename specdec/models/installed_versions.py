@@ -1,17 +1,16 @@
-"""The transformers and torch versions specdec runs with: what it is checked against, and a config written by a later
-transformers.
+"""The versions of specdec's dependencies installed here, against the oldest its tests were run on (pyproject's floors).
 
 specdec runs its own forward on the weights transformers loads, so the loading must be one its checks were run
 against. transformers 4.56 (pyproject's floor once) loaded a checkpoint missing a tensor with random weights and
 read 5.x's configs with another RoPE base; 5.12 computed dynamic RoPE otherwise than specdec. :data:`OLDEST` is
-the oldest release the model tests (loading, generation against transformers, GGUF) were run against and passed
-but for refusal messages transformers words itself; :func:`check_installed` refuses an older one in one line
-wherever a model is loaded, since pip only warns when another package's install brings one. :data:`OLDEST` is
-pyproject.toml's floor too (a test holds them equal). :data:`OLDEST_TORCH` is likewise torch's: transformers 5.25
-runs no model on a torch older than 2.6 (it disables torch, and loading fails in a many-line ImportError), and 2.6 is
-the oldest torch the model tests were run on. :data:`OLDEST_GGUF` is the ``gguf`` extra's: gguf 0.10 and 0.11 read
-no .gguf under numpy 2 (``ndarray.newbyteorder`` is gone); :func:`check_gguf_installed` refuses them before a
-conversion. :func:`check_written_by` refuses a config.json a later major version wrote.
+the oldest transformers the model tests (loading, generation against transformers, GGUF) were run against and
+passed but for refusal messages transformers words itself. transformers 5.25 runs no model on a torch older than
+2.6 (it disables torch; loading failed in a many-line ImportError), the oldest torch the model tests were run on:
+:data:`OLDEST_TORCH`. :func:`check_installed` refuses an older one of either in one line wherever a model is
+loaded, since pip only warns when another package's install brings one; each is pyproject.toml's floor too (tests
+hold them equal). gguf 0.10 and 0.11 read no file under numpy 2 (``ndarray.newbyteorder`` is gone):
+:func:`check_gguf_installed` refuses a gguf older than :data:`OLDEST_GGUF` before a conversion.
+:func:`check_written_by` refuses a config.json a later transformers major version wrote.
 """
 from __future__ import annotations
 
