@@ -9,6 +9,16 @@ from specdec.models import embedded
 from tests.test_gguf_llama import write_llama_gguf
 
 
+def _unwritable_cache(tmp_path, monkeypatch) -> None:
+    """SPECDEC_CACHE_DIR names a file (no cache folder can be made); temporary folders go under tmp_path/tmp."""
+    monkeypatch.setattr(embedded, "_TEMPORARY", {})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker))
+
+
 def test_an_unwritable_cache_converts_once_per_process(tmp_path, monkeypatch, caplog):
     calls = []
 
@@ -18,12 +28,7 @@ def test_an_unwritable_cache_converts_once_per_process(tmp_path, monkeypatch, ca
         (out / "config.json").write_text('{"model_type": "llama"}')
 
     monkeypatch.setattr(embedded, "_convert_into", convert_into)
-    monkeypatch.setattr(embedded, "_TEMPORARY", {})
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("a file where the cache directory should be")
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker))
+    _unwritable_cache(tmp_path, monkeypatch)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"gguf")
     with caplog.at_level("WARNING", logger="specdec.models.embedded"):
@@ -40,12 +45,7 @@ def test_an_unwritable_cache_converts_once_per_process(tmp_path, monkeypatch, ca
 def test_a_conversion_for_this_run_only_is_not_called_one_time(tmp_path, monkeypatch, caplog):
     """Its first warning said the conversion was for this run only, the next "converting m.gguf (one-time
     dequantization, ~10 s) into /tmp": it is done again by every run."""
-    monkeypatch.setattr(embedded, "_TEMPORARY", {})
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("a file where the cache directory should be")
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker))
+    _unwritable_cache(tmp_path, monkeypatch)
     gguf = write_llama_gguf(tmp_path / "m.gguf")
     with caplog.at_level("WARNING", logger="specdec.models.embedded"):
         embedded.convert_gguf(gguf, embedded.converted_dir(gguf))
