@@ -52,11 +52,10 @@ def replaced_atomically(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except OSError as err:
-        if err.filename == str(tmp) and err.errno is not None:  # a folder this user may not write: the file meant
-            raise OSError(err.errno, err.strerror, str(path)) from err
-        if err.filename is not None or err.errno is None:
+        # a write that fails names no file (a full disk: ENOSPC) or the temporary one (a folder this user may not
+        # write); the user's error line names the one meant
+        if err.errno is None or err.filename not in (None, str(tmp)):
             raise
-        # a write that fails (a full disk: ENOSPC) names no file; the user's error line names the one meant
         raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
         if os.path.lexists(tmp):  # never made (a read-only file system): its unlink raised EROFS, not ENOENT
