@@ -272,11 +272,7 @@ def _check_head_size(path: Path, meta: dict, architecture: str) -> None:
 
     if "attention.key_length" in GGUF_CONFIG_MAPPING.get(architecture, {}):
         return
-    key = f"{architecture}.attention.key_length"
-    size, hidden, heads = (meta.get(f"{architecture}.{k}") for k in ("attention.key_length", "embedding_length",
-                                                                       "attention.head_count"))
-    if size is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-        size, key = hidden // heads, f"{architecture}.embedding_length over {architecture}.attention.head_count"
+    size, key = _head_size(meta, architecture)
     default = Qwen3Config().head_dim
     if isinstance(size, int) and size != default:
         raise GGUFError(f"{path} holds attention heads of {size} dimensions ({key}), and transformers' GGUF loading, "
@@ -284,16 +280,23 @@ def _check_head_size(path: Path, meta: dict, architecture: str) -> None:
                         "load the model's checkpoint directory instead")
 
 
+def _head_size(meta: dict, architecture: str) -> tuple[int | None, str]:
+    """The attention head size a GGUF header gives, and where from: ``attention.key_length``, else llama.cpp's
+    default, the embedding length over the head count (None where neither is there)."""
+    key = f"{architecture}.attention.key_length"
+    size, hidden, heads = (meta.get(f"{architecture}.{k}") for k in ("attention.key_length", "embedding_length",
+                                                                       "attention.head_count"))
+    if size is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        size, key = hidden // heads, f"{architecture}.embedding_length over {architecture}.attention.head_count"
+    return size, key
+
+
 def _check_rope_dimensions(path: Path, meta: dict, architecture: str) -> None:
     """Refuse a file whose RoPE turns fewer dimensions than its heads have (``rope.dimension_count``; llama.cpp:
     partial RoPE), which no Llama-family forward computes: transformers 5.20 built the model with matching shapes
     and turned every dimension, another model without a word (5.25 refuses its weights' shapes after the
-    conversion). The head size is ``attention.key_length``, else llama.cpp's default: the embedding length over the
-    head count."""
-    dims, size, hidden, heads = (meta.get(f"{architecture}.{k}") for k in (
-        "rope.dimension_count", "attention.key_length", "embedding_length", "attention.head_count"))
-    if size is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-        size = hidden // heads
+    conversion). The head size as :func:`_head_size` reads it."""
+    dims, (size, _) = meta.get(f"{architecture}.rope.dimension_count"), _head_size(meta, architecture)
     if isinstance(dims, int) and isinstance(size, int) and dims != size:
         raise GGUFError(f"{path} turns {dims} of its attention heads' {size} dimensions by RoPE "
                         f"({architecture}.rope.dimension_count): partial RoPE, which specdec's Llama-family forward "
