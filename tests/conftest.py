@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from specdec.atomic_write import write_json
+from specdec.kernels.testing import kernel_device
 from specdec.testing import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
+
+# without a GPU the kernel tests run in the Triton interpreter, which must be on before triton is first imported: a
+# kernel test module sets it when collected, too late where a module collected before it imported triton already
+kernel_device()
 
 REPO = Path(__file__).resolve().parents[1]
 # `python -m pytest` puts the cwd (the repo root) on sys.path, where the folders kernels/ and
