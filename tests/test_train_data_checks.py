@@ -19,6 +19,7 @@ from specdec.train.data import TrainDataError, load_texts  # noqa: E402
 from specdec.train.pipeline import read_inputs, run_training  # noqa: E402
 
 from specdec.cli import main  # noqa: E402
+from specdec.errors import InputError  # noqa: E402
 from specdec.testing import build_tiny_model  # noqa: E402
 from tests.test_train_data import ChatTok, _jsonl, training_dir  # noqa: E402
 
@@ -200,6 +201,20 @@ def test_prompts_as_long_as_seq_len_are_refused_before_distilling(tiny, tmp_path
         run_training(_distil_cfg(tiny, tmp_path, ["a" * 12, "b" * 20]))  # one token per character
     assert str(err.value) == ("--seq-len 12 is too short for the prompts: sequences are cut from their start, so no "
                               "answer token would be kept (the longest prompt has 20 tokens)")
+
+
+def test_answers_past_the_context_are_refused_naming_the_flag_before_distilling(tiny, tmp_path, monkeypatch):
+    """--distill-max-new-tokens that carried the answers past the model's context ended in generate()'s refusal at
+    the first batch, naming max_new_tokens, a name the command line does not have. Refused before the target
+    answers, naming the flag and the most it may be."""
+    from specdec.train import distill
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(distill, "self_distill", lambda *a, **k: pytest.fail("distilled"))
+    with pytest.raises(InputError) as err:
+        run_training(_distil_cfg(tiny, tmp_path, ["abc", "defgh"], distill_max_new_tokens=600))
+    assert str(err.value) == ("--distill-max-new-tokens 600: the longest prompt (5 tokens) + 600 new tokens exceeds "
+                              "the model's context of 512 tokens; lower it to 507 or less")
 
 
 def test_prompts_that_lose_their_answers_are_counted_in_a_warning(tiny, tmp_path, monkeypatch, caplog):

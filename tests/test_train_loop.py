@@ -534,7 +534,8 @@ def test_output_dir_refusal_and_overwrite(tiny, tmp_path, monkeypatch):
     # so are what the data holds and the context: a wrong field or a seq_len past the model's context too
     with pytest.raises(TrainDataError, match="neither a 'content'"):
         run_training(_cfg(tiny, run, eval_tau=False, overwrite=True, text_field="content"))
-    with pytest.raises(ValueError, match="exceeds the model's context"):
+    with pytest.raises(ValueError, match=r"^--seq-len 100000 exceeds the model's context of 512 tokens; pass "
+                                         r"--seq-len 512 or less$"):
         run_training(_cfg(tiny, run, eval_tau=False, overwrite=True, seq_len=100_000))
     assert sorted(p.name for p in run.iterdir()) == before
     monkeypatch.chdir(run)  # never the working directory, even when it is a run

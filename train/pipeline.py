@@ -37,6 +37,7 @@ from specdec.train.prompts import builtin_prompts
 from specdec.train.run_seconds import run_seconds, wall_time_line
 
 from specdec.atomic_write import write_json, write_text
+from specdec.errors import InputError
 from specdec.folder_lock import only_writer
 from specdec.models.fingerprint import model_fingerprint
 from specdec.output_dirs import check_creatable, make_dir
@@ -123,6 +124,7 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
     if lengths and min(lengths) >= cfg.seq_len:  # refused before the target answers
         raise TrainDataError(f"--seq-len {cfg.seq_len} is too short for the prompts: sequences are cut from their "
                              f"start, so no answer token would be kept (the longest prompt has {max(lengths)} tokens)")
+    _check_answers_fit(loaded.runner.shape, lengths, cfg.distill_max_new_tokens)
     seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens, batch_size=cfg.distill_batch_size,
                         progress=cfg.progress, cuda_graphs=graphs, team=team)
     cut = sum(len(s) > n >= cfg.seq_len for s, n in zip(seqs, lengths, strict=True))
@@ -132,6 +134,18 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
                        cfg.seq_len, max(lengths))
     seqs = [s[: cfg.seq_len] for s in seqs]
     return seqs, {tuple(s): n for s, n in zip(seqs, lengths, strict=True)}
+
+
+def _check_answers_fit(shape, lengths: list[int], max_new_tokens: int) -> None:
+    """Refuse, naming --distill-max-new-tokens, answers that would run past the model's context (or its sliding window
+    + 1: ``shape.max_positions``), before the target answers: generate() refuses them at the first batch."""
+    longest = max(lengths, default=0)
+    limit = shape.max_positions
+    if longest + max_new_tokens > limit:
+        room = (f"lower it to {limit - longest} or less" if limit > longest else
+                f"the prompt alone fills the {shape.limit_words}; shorten the prompts")
+        raise InputError(f"--distill-max-new-tokens {max_new_tokens}: the longest prompt ({longest} tokens) + "
+                         f"{max_new_tokens} new tokens exceeds the model's {shape.limit_words}; {room}")
 
 
 def choose_draft_vocab(cfg: TrainConfig, train_seqs: list[list[int]], model) -> tuple[tuple[int, ...], dict]:
@@ -321,7 +335,8 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
     loaded = load_model(cfg.model)
     max_pos = getattr(loaded.model.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.seq_len > max_pos:
-        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {max_pos} tokens")
+        raise InputError(f"--seq-len {cfg.seq_len} exceeds the model's context of {max_pos} tokens; pass --seq-len "
+                         f"{max_pos} or less")
     if loaded.tokenizer is None:  # --data, --prompts-file, the built-in and self-written prompts: all text
         raise TrainDataError(f"model {cfg.model} has no tokenizer, and training reads text (its data or the prompts "
                              "the target answers): save the model's tokenizer files beside it")
