@@ -217,6 +217,18 @@ def test_answers_past_the_context_are_refused_naming_the_flag_before_distilling(
                               "the model's context of 512 tokens; lower it to 507 or less")
 
 
+def test_tau_answers_past_the_context_are_refused_before_training(tiny, tmp_path):
+    """The tau measurement after training answers its built-in prompts in --eval-max-new-tokens: past the model's
+    context it ended a finished training in generate()'s refusal, without a report. Refused before the output
+    folder is made, naming the flag."""
+    cfg = _distil_cfg(tiny, tmp_path, ["abc"], eval_tau=True, eval_prompts=2, eval_max_new_tokens=600)
+    with pytest.raises(InputError, match=r"^--eval-max-new-tokens 600: the longest tau-measurement prompt \((\d+) "
+                                         r"tokens\) \+ 600 new tokens exceeds the model's context of 512 tokens; "
+                                         r"lower it to \d+ or less, or pass --no-eval-tau$"):
+        run_training(cfg)
+    assert not (tmp_path / "run").exists()
+
+
 def test_prompts_that_lose_their_answers_are_counted_in_a_warning(tiny, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="specdec.train.pipeline"):

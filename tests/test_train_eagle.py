@@ -219,6 +219,29 @@ def test_tree_choice_loads_the_cost_model_before_timing_anything(tmp_path, monke
     assert len(set(seen)) == 1  # every calibration happened in the warm-up
 
 
+def test_tree_choice_warms_up_within_the_answers_that_fit_the_context(monkeypatch):
+    """The warm-up asked 8 new tokens whatever --eval-max-new-tokens was: a first prompt within 8 tokens of the
+    model's context, answered in 4, ended the run after training in generate()'s refusal of the warm-up."""
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+    from specdec.train import eagle_evaluate
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    loaded = load_model(build_tiny_model(vocab_size=64, seed=5, max_position_embeddings=24))
+    eagle = EagleModel(EagleConfig.for_target(loaded.model.config))
+    eagle.init_from_target(loaded.model)
+    real, asked = eagle_evaluate._run, []
+
+    def run(loaded, ids, max_new_tokens, drafter=None, **config):
+        asked.append(max_new_tokens)
+        return real(loaded, ids, max_new_tokens, drafter, **config)
+
+    monkeypatch.setattr(eagle_evaluate, "_run", run)
+    eagle_evaluate.choose_tree_by_speed(loaded, eagle, [list(range(1, 21))], 4, candidates=((1, 1, 1),))
+    assert asked == [4, 4, 4]  # warm-up, then plain and the tree
+
+
 def test_tree_choice_pairs_each_candidate_with_plain_decoding(monkeypatch):
     """A machine that slows down while the candidates are timed: the first candidate runs at 0.9x of plain while
     the machine is fast, the second at 1.2x once it is slow. Compared with one plain run at the start (the old

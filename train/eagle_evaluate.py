@@ -120,7 +120,9 @@ def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens
         bar = tqdm(total=len(candidates) * len(prompts), desc="tree choice", unit="prompt", disable=None)
     # warm-up, with a drafter: the first drafting call of a process loads (on a fresh machine: calibrates, ~10 s)
     # the cost model, which once landed in the first candidate's time (depth 1 measured 0.90x, then 1.17x)
-    _run(loaded, prompts[:1], 8, EagleDrafter(model=eagle, depth=1, top_k=1, max_nodes=1), **config)
+    # (no more new tokens than the measurement's own: those fit in the model's context)
+    _run(loaded, prompts[:1], min(8, max_new_tokens), EagleDrafter(model=eagle, depth=1, top_k=1, max_nodes=1),
+         **config)
     worse_in_a_row = 0
     for depth, top_k, nodes in candidates:
         plain, runs = [], []

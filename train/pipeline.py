@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.medusa_heads import save_medusa
+from specdec.eval.prompts import CHAT
 from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells, accuracy_scopes
 from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.checkpoint import checkpoint_step, find_checkpoint
@@ -136,16 +137,18 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
     return seqs, {tuple(s): n for s, n in zip(seqs, lengths, strict=True)}
 
 
-def _check_answers_fit(shape, lengths: list[int], max_new_tokens: int) -> None:
-    """Refuse, naming --distill-max-new-tokens, answers that would run past the model's context (or its sliding window
-    + 1: ``shape.max_positions``), before the target answers: generate() refuses them at the first batch."""
+def _check_answers_fit(shape, lengths: list[int], max_new_tokens: int, flag: str = "--distill-max-new-tokens",
+                       prompts: str = "prompt", instead: str = "") -> None:
+    """Refuse, naming ``flag``, answers of ``max_new_tokens`` to prompts of ``lengths`` tokens that would run past the
+    model's context (or its sliding window + 1: ``shape.max_positions``), before the target answers: generate()
+    refuses them when it gets there (the tau measurement's, after training). ``instead``: another way out, said last."""
     longest = max(lengths, default=0)
     limit = shape.max_positions
     if longest + max_new_tokens > limit:
         room = (f"lower it to {limit - longest} or less" if limit > longest else
-                f"the prompt alone fills the {shape.limit_words}; shorten the prompts")
-        raise InputError(f"--distill-max-new-tokens {max_new_tokens}: the longest prompt ({longest} tokens) + "
-                         f"{max_new_tokens} new tokens exceeds the model's {shape.limit_words}; {room}")
+                f"that prompt alone fills the {shape.limit_words}: shorten it")
+        raise InputError(f"{flag} {max_new_tokens}: the longest {prompts} ({longest} tokens) + {max_new_tokens} new "
+                         f"tokens exceeds the model's {shape.limit_words}; {room}{instead}")
 
 
 def choose_draft_vocab(cfg: TrainConfig, train_seqs: list[list[int]], model) -> tuple[tuple[int, ...], dict]:
@@ -346,6 +349,11 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
     with contextlib.nullcontext() if accelerator.is_main_process else logger_at("specdec", logging.ERROR):
         inputs = read_inputs(cfg, loaded)
     check_prompts_encode(cfg, loaded, inputs)
+    if cfg.eval_tau:  # measured after training: refused now, not once the training is done (CHAT[:n]: eval_prompts'
+        # prompts, without its warning about too many asked, which the measurement says)
+        _check_answers_fit(loaded.runner.shape, [len(encode_prompt(loaded.tokenizer, p)) for p in
+                                                 CHAT[: cfg.eval_prompts]], cfg.eval_max_new_tokens,
+                           "--eval-max-new-tokens", "tau-measurement prompt", ", or pass --no-eval-tau")
     resume_from = None
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)
