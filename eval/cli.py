@@ -357,7 +357,9 @@ def _lossless_inputs(args, levels: tuple[str, ...], sizes, device, options: dict
     for it: (loaded, make_prompts, drafter or None)."""
     import torch
     from specdec.drafters.registry import get_drafter
+    from specdec.eval.end_to_end import window
     from specdec.eval.prompts import load_prompts
+    from specdec.eval.sampled_start import check_room
 
     from specdec.models.loader import load_model
 
@@ -372,7 +374,10 @@ def _lossless_inputs(args, levels: tuple[str, ...], sizes, device, options: dict
         # every prompt with its new tokens fits, and the drafter's checkpoint or draft model is read and checked for
         # the model (as eval acceptance does), before any work: held through the run, the levels' drafters take
         # what it loaded (the process-wide caches), not read again
-        _check_identity_fits(loaded, make_prompts(sizes.identity_prompts), sizes.identity_tokens)
+        prompts = make_prompts(sizes.identity_prompts)
+        _check_identity_fits(loaded, prompts, sizes.identity_tokens)
+        if "e2e" in levels:  # and the tokens its sampled check draws after a start (eval.sampled_start)
+            check_room(loaded.runner.shape, prompts, window(sizes) + sizes.sample_lookahead)
         drafter = get_drafter(args.drafter, **options)
         drafter.load_for_target(loaded.runner, loaded.tokenizer, loaded.name)
     return loaded, make_prompts, drafter

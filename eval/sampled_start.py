@@ -41,6 +41,7 @@ from specdec.eval.end_to_end import (
 from specdec.eval.negative_controls import generate_with_control
 from specdec.eval.token_progress import TokenProgress
 
+from specdec.errors import InputError
 from specdec.models.loader import eval_mode
 from specdec.sampling import SamplingConfig, logits_to_probs
 
@@ -127,6 +128,16 @@ def pilot_shares(loaded: Any, starts: list[list[int]], drafter: Any, options: di
     return [(drafted_share(t, s, k), rejected_share(t, s, k)) for t, s in rows]
 
 
+def check_room(shape, prompts: list[list[int]], new: int) -> None:
+    """An InputError unless an identity prompt leaves room for the ``new`` tokens the check samples after a start
+    (``shape``: the runner's; its ``max_positions``, the context or the sliding window + 1)."""
+    shortest = min(len(p) for p in prompts)
+    if shortest + new > shape.max_positions:
+        raise InputError(f"the end-to-end sampled check (level e2e) samples {new} tokens after an identity prompt: "
+                         f"the shortest ({shortest} tokens) leaves no room for them in the model's "
+                         f"{shape.limit_words}")
+
+
 def choose_start(loaded: Any, prompts: list[list[int]], plain: list[list[int]], step_lengths: list[tuple[int, ...]],
                  drafter: Any, options: dict, sampling: SamplingConfig, sizes: Any, seed: int = 0,
                  progress: Callable[[str], None] | None = None) -> StartChoice:
@@ -134,8 +145,13 @@ def choose_start(loaded: Any, prompts: list[list[int]], plain: list[list[int]], 
     speculative run's (:class:`specdec.eval.divergence.IdentityResult`); ``progress``: see :func:`pilot_shares`."""
     k, last = window(sizes), sizes.identity_tokens // 2
     probs = greedy_token_probs(loaded.model, prompts, plain, sampling, last + k)
-    candidates = candidate_starts([len(out) - len(p) for p, out in zip(prompts, plain, strict=True)],
-                                  [drafted_flags(lengths) for lengths in step_lengths], probs, k, last,
+    # a start is followed by the sampled tokens, all within the model's context (or sliding window + 1): a start at
+    # position p of an answer to a prompt of n tokens needs n + p + new <= limit (answers cut to the starts that fit)
+    new, shape = sampling_kwargs(sampling, sizes)["max_new_tokens"], loaded.runner.shape
+    room = [shape.max_positions - len(p) - new + 1 for p in prompts]
+    fit = [min(len(out) - len(p), r) for p, out, r in zip(prompts, plain, room, strict=True)]
+    check_room(shape, prompts, new)  # a prompt with room: one candidate at least
+    candidates = candidate_starts(fit, [drafted_flags(lengths) for lengths in step_lengths], probs, k, last,
                                   sizes.start_candidates)
     ids = [plain[c.prompt][: len(prompts[c.prompt]) + c.position] for c in candidates]
     if progress is not None:  # the starts found, which may be fewer than asked for (one per prompt at most)

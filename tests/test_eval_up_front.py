@@ -190,6 +190,27 @@ def test_identity_tokens_past_the_context_are_refused_before_any_check_runs(ckpt
     assert "exceeds the model's context of 512 tokens; lower it to" in line
 
 
+def test_identity_prompts_without_room_for_the_sampled_tokens_are_refused_before_any_check_runs(tmp_path, capsys,
+                                                                                                  monkeypatch):
+    """The e2e level samples 9 tokens after a start in an identity prompt's answer: a prompt that fits with
+    --identity-tokens but not with those ended the certificate, after its greedy checks, in generate()'s refusal."""
+    from specdec.testing import save_tiny_checkpoint
+
+    def run_certificate(*args, **kwargs):
+        raise AssertionError("the certificate ran")
+
+    monkeypatch.setattr("specdec.eval.certificate.run_certificate", run_certificate)
+    model = save_tiny_checkpoint(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    code, captured = _main(["eval", "lossless", "--model", model, "--levels", "e2e", "--identity-prompts", "1",
+                            "--identity-tokens", "4", "--out", str(tmp_path / "c")], capsys)
+    line = _one_line(captured)
+    assert code == 2 and line.endswith("the end-to-end sampled check (level e2e) samples 9 tokens after an identity "
+                                       "prompt: the shortest (57 tokens) leaves no room for them in the model's "
+                                       "context of 64 tokens"), line
+
+
 def test_eval_acceptance_refuses_a_drafter_missing_its_path_before_loading(tmp_path, capsys, no_load):
     code, captured = _main(["eval", "acceptance", "--drafters", "ngram,medusa", "--categories", "chat",
                             "--prompts", "1", "--out", str(tmp_path / "a")], capsys)

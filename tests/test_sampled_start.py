@@ -9,8 +9,16 @@ import pytest
 import torch
 from specdec.eval.certificate import CertificateSizes, end_to_end_checks
 from specdec.eval.end_to_end import CHUNK_SEED_STRIDE, check_seeds, pilot_seed
-from specdec.eval.sampled_start import Start, best_candidate, candidate_starts, drafted_flags, greedy_token_probs
+from specdec.eval.sampled_start import (
+    Start,
+    best_candidate,
+    candidate_starts,
+    choose_start,
+    drafted_flags,
+    greedy_token_probs,
+)
 
+from specdec.errors import InputError
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig
 from specdec.testing import build_tiny_model
@@ -105,6 +113,26 @@ def test_sampled_check_starts_where_drafts_feed_the_compared_tokens(monkeypatch)
     # more accepted drafts, and as many decided both ways (accepted x rejected per compared token)
     assert exact["drafted"] > old["drafted"] + 0.1, (exact, old)
     assert exact["drafted"] * exact["rejected"] > old["drafted"] * old["rejected"], (exact, old)
+
+
+def test_starts_leave_room_for_the_sampled_tokens_in_the_context():
+    """A start in the first half of a greedy answer that fits the context could leave no room for the tokens the
+    check samples after it: the pilot ended the certificate in generate()'s refusal. Starts now stop where those
+    tokens fit, and identity prompts that leave no room at all are refused in one line naming the context."""
+    from specdec.generate import generate
+
+    loaded = load_model(build_tiny_model(vocab_size=32, max_position_embeddings=24))
+    prompts = [list(range(1, 11))]
+    sizes = CertificateSizes(identity_prompts=1, identity_tokens=12, sample_sequences=4, start_candidates=1,
+                             pilot_sequences=2)
+    plain = generate(loaded, prompts, max_new_tokens=12)  # 22 tokens; 9 sampled after the answer's middle: 25
+    choice = choose_start(loaded, prompts, plain, [(1,) * 12], "ngram", {}, SamplingConfig(True), sizes)
+    assert choice.start.position == 24 - 10 - 9 and len(choice.ids) + 9 == 24
+    with pytest.raises(InputError, match=r"^the end-to-end sampled check \(level e2e\) samples 9 tokens after an "
+                                         r"identity prompt: the shortest \(16 tokens\) leaves no room for them in "
+                                         r"the model's context of 24 tokens$"):
+        choose_start(loaded, [list(range(1, 17))], [list(range(1, 19))], [(1, 1)], "ngram", {}, SamplingConfig(True),
+                     sizes)
 
 
 def _old_start(loaded, prompts, sizes):
