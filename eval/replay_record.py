@@ -130,6 +130,24 @@ def measure_costs(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordC
             "context_tokens": len(median) + extra}
 
 
+def check_costs_fit(shape: Any, config: RecordConfig) -> None:
+    """An InputError, before anything is recorded, where ``cost_source="measure"`` cannot time every size of
+    :data:`COST_GRID` in the model's context (``shape``: the runner's): each run of sizes grows one context by
+    ``cost_repeats + 1`` rounds of them."""
+    from specdec.eval.pricing import size_chunks
+
+    if config.cost_source != "measure":
+        return
+    widest = max(sum(sizes) for sizes in size_chunks(list(COST_GRID)))
+    need = (config.cost_repeats + 1) * widest + 3  # measure_verify_costs: a token of context and the step's room
+    if need > shape.max_positions:
+        fewer = (shape.max_positions - 3) // widest - 1  # the most repeats that fit
+        also = f"lower --cost-repeats to {fewer}, or " if fewer >= 1 else ""
+        raise InputError(f"--costs measure needs {need} tokens of context to time its verify steps "
+                         f"({config.cost_repeats + 1} rounds of {widest} query tokens on one context), more than the "
+                         f"model's {shape.limit_words}; {also}take the cost model's curve (--costs cost-model)")
+
+
 def record_run(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordConfig = RecordConfig(),
                categories: Sequence[str] | None = None, with_costs: bool = True) -> dict:
     """Run plain decoding over ``prompts`` (one at a time) and return the record (see the module docstring)."""
@@ -140,6 +158,8 @@ def record_run(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordConf
     categories = list(categories) if categories is not None else ["custom"] * len(prompts)
     if len(categories) != len(prompts):
         raise InputError(f"record_run: {len(prompts)} prompts but {len(categories)} categories (one per prompt)")
+    if with_costs:
+        check_costs_fit(loaded.runner.shape, config)
     sampling = dict(do_sample=config.temperature > 0, temperature=config.temperature or 1.0, top_k=0,
                     seed=config.seed)  # the full distribution at that temperature: no warper
     generate(loaded, [list(prompts[0])], max_new_tokens=2, **sampling)  # warm-up: first-call costs out

@@ -207,6 +207,25 @@ def test_measured_costs_are_timed_at_the_median_prompt_halfway_through_its_answe
     assert costs["context_tokens"] == 10 and set(timed) == {5}
 
 
+def test_measured_costs_past_the_context_are_refused_before_recording(monkeypatch):
+    """cost_source "measure" times every size of the grid on one growing context: on a model whose context cannot
+    hold it, every prompt was recorded first, then measure_verify_costs refused in a message naming no option."""
+    import specdec.eval.replay_record as replay_record
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    monkeypatch.setattr(replay_record, "teacher_forced_topk", lambda *a, **k: pytest.fail("recorded"))
+    for context, repeats, room in ((200, 3, "lower --cost-repeats to 1, or take"), (120, 1, "take")):
+        loaded = load_model(build_tiny_model(vocab_size=16, max_position_embeddings=context))
+        config = RecordConfig(max_new_tokens=4, cost_source="measure", cost_repeats=repeats)
+        with pytest.raises(InputError, match=rf"^--costs measure needs {(repeats + 1) * 78 + 3} tokens of context "
+                                             rf"to time its verify steps \({repeats + 1} rounds of 78 query tokens on "
+                                             rf"one context\), more than the model's context of {context} tokens; "
+                                             rf"{room} the cost model's curve \(--costs cost-model\)$"):
+            record_run(loaded, [[5, 6]], config)
+
+
 class _HiddenDrafter(Drafter):
     name = "needs-hidden"
     needs_hidden_states = True
