@@ -393,7 +393,20 @@ def _calibrate(loaded: Any, cell: Cell, batch: list[list[int]], config: SuiteCon
     (an eager GPU step costs several times a graphed one: it would price another machine)."""
     n = max(1, round(1 + cell.mean_tree_nodes))
     costs: dict[int, float] = {}
-    for sizes in size_chunks(calibration_sizes(cell.step_nodes_histogram, cell.mean_tree_nodes)):
+    # each run of sizes grows one context by (repeats + 1) rounds of its query tokens: on a short-context model the
+    # runs are shorter, and a size whose rounds alone do not fit leaves the cell unpriced (measure_verify_costs)
+    shape, rounds = loaded.runner.shape, config.calibration_repeats + 1
+    chunks = size_chunks(calibration_sizes(cell.step_nodes_histogram, cell.mean_tree_nodes),
+                         min(80, (shape.max_positions - 3) // rounds))
+    widest = max(sum(sizes) for sizes in chunks)
+    if rounds * widest + 3 > shape.max_positions:
+        fewer = (shape.max_positions - 3) // widest - 1  # the most repeats that fit
+        logger.warning("%s / %s: no predicted speedup: timing its verify steps of %d query tokens, %d rounds on one "
+                       "context (--calibration-repeats %d and a warm-up), needs %d tokens, more than the model's %s%s",
+                       cell.drafter, cell.category, widest, rounds, config.calibration_repeats, rounds * widest + 3,
+                       shape.limit_words, f"; --calibration-repeats {fewer} fits" if fewer >= 1 else "")
+        return
+    for sizes in chunks:
         costs.update(measure_verify_costs(loaded.runner, batch, sizes, config.sampling, config.max_new_tokens // 2,
                                           config.calibration_repeats, config.seed,
                                           graphs=auto_uses_graphs(loaded.runner)))  # as the cells verified

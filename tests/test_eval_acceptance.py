@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import signal
 
@@ -468,9 +469,35 @@ def test_a_calibration_records_the_mean_decoding_context(monkeypatch):
                         lambda runner, batch, sizes, *args, **kwargs: {n: 0.01 * n for n in sizes})
     cell = Cell("ngram", "c", drafts=1, draft_nodes=2, step_nodes_histogram=[0, 0, 1])
     config = SuiteConfig((("ngram", {}),), ("c",), max_new_tokens=10)
-    acceptance._calibrate(SimpleNamespace(runner=None), cell, [[1] * 4, [1] * 6], config)
+    runner = SimpleNamespace(shape=SimpleNamespace(max_positions=4096))
+    acceptance._calibrate(SimpleNamespace(runner=runner), cell, [[1] * 4, [1] * 6], config)
     assert cell.calibration[0]["context_tokens"] == 10.0
     assert {c["context_tokens"] for c in cell.size_calibration} == {10.0}
+
+
+def test_a_calibration_past_the_context_leaves_the_cell_unpriced_with_a_warning(caplog):
+    """Timing a cell's verify steps grows one context by (--calibration-repeats + 1) rounds of its sizes: on a
+    short-context model measure_verify_costs refused ("the model's context (64) is too short to calibrate [1, 7,
+    ...]") after the cell was measured, ending the run. Runs of sizes are cut to the context; where one size's rounds
+    alone do not fit, the cell has no predicted speedup and a warning says why and which repeats fit."""
+    import specdec.eval.acceptance as acceptance
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    loaded = load_model(build_tiny_model(vocab_size=16, max_position_embeddings=64))
+    batch = [[1, 2, 3, 4]]
+    for repeats, priced in ((5, False), (2, True)):  # sizes 1, 7, 10, 11, 17: 6 x 17 + 3 > 64 >= 3 x 17 + 3
+        cell = Cell("ngram", "c", drafts=1, draft_nodes=6, step_nodes_histogram=[1] + [0] * 5 + [1, 0, 0, 1, 1, 0, 0,
+                                                                                            0, 0, 0, 1])
+        config = SuiteConfig((("ngram", {}),), ("c",), max_new_tokens=4, calibration_repeats=repeats)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="specdec.eval.acceptance"):
+            acceptance._calibrate(loaded, cell, batch, config)
+        assert bool(cell.calibration) == priced
+        assert ("ngram / c: no predicted speedup: timing its verify steps of 17 query tokens, 6 rounds on one context "
+                "(--calibration-repeats 5 and a warm-up), needs 105 tokens, more than the model's context of 64 "
+                "tokens; --calibration-repeats 2 fits" in caplog.text) != priced
 
 
 def test_sigterm_ends_the_process_at_once_while_the_process_group_forms(monkeypatch):
