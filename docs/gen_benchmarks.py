@@ -221,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md is out of date; write nothing")
     check = ap.parse_args(argv).check
-    text = render(load_results())
+    try:
+        text = render(load_results())
+    except ValueError as err:  # a malformed result file, or two that tie: one line naming them
+        print(f"docs/gen_benchmarks.py: docs/results: {err}", file=sys.stderr)
+        return 2
     if check:
         if not PAGE.exists() or PAGE.read_text() != text:
             print("docs/benchmarks.md is out of date: run python docs/gen_benchmarks.py", file=sys.stderr)

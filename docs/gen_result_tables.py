@@ -112,11 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 when a page's region is out of date (writes nothing)")
     check = ap.parse_args(argv).check
-    results, stale = _by_file(), []
+    try:
+        results = _by_file()
+    except ValueError as err:  # a malformed result file: one line naming it
+        print(f"docs/gen_result_tables.py: docs/results: {err}", file=sys.stderr)
+        return 2
+    stale = []
     for page in pages():
         text = page.read_text()
         link = os.path.relpath(DOCS / "results", page.parent).replace(os.sep, "/")
-        new = fill(text, results, str(page.relative_to(DOCS.parent)), link)
+        try:
+            new = fill(text, results, str(page.relative_to(DOCS.parent)), link)
+        except ValueError as err:  # a region naming a result file or table that is gone, or a broken marker
+            print(f"docs/gen_result_tables.py: {err}", file=sys.stderr)
+            return 2
         if new != text:
             stale.append(str(page.relative_to(DOCS.parent)))
             if not check:

@@ -298,6 +298,28 @@ def test_a_malformed_result_file_is_refused_in_one_line_naming_it(tmp_path, fiel
     assert str(refused.value).startswith("2026-12-04-zz.json: ") and "\n" not in str(refused.value)
 
 
+def test_the_generators_refuse_a_malformed_result_or_a_lost_one_in_one_line(tmp_path, monkeypatch, capsys):
+    """Run as scripts, both generators ended in a traceback on a malformed result file, and gen_result_tables.py on
+    a region whose result file was removed: now one line naming the file, exit status 2, nothing written."""
+    bench, tables = _gen_benchmarks(), load_file(DOCS / "gen_result_tables.py")
+    (tmp_path / "2026-12-04-zz.json").write_text(f"{{{_RESULT}, \"date\": \"2026-12-4\"}}")
+    for gen, module in ((bench, bench), (tables, tables._GEN)):
+        real = module.load_results
+        monkeypatch.setattr(module, "load_results", lambda real=real: real(tmp_path))
+        for argv in (["--check"], []):
+            assert gen.main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "2026-12-04-zz.json: date '2026-12-4' is not an ISO date" in err
+    (tmp_path / "docs").mkdir()
+    page = "<!-- generated: results/gone.json table -->\nold\n<!-- end generated -->\n"
+    (tmp_path / "docs" / "p.md").write_text(page)
+    monkeypatch.setattr(tables, "DOCS", tmp_path / "docs")
+    monkeypatch.setattr(tables, "_by_file", lambda: {})
+    assert tables.main([]) == 2 and (tmp_path / "docs" / "p.md").read_text() == page
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "docs/p.md: no result file docs/results/gone.json" in err
+
+
 def test_the_benchmarks_check_fails_on_a_stale_page_and_writes_nothing(tmp_path, monkeypatch):
     gen = _gen_benchmarks()
     page = tmp_path / "benchmarks.md"
