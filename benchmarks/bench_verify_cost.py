@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--sizes, --context and --reps must be positive")
     torch.set_grad_enabled(False)
     loaded = load_model("default")
+    growth = (args.reps + 1) * sum({1, *sizes})  # as measure_verify_costs grows each sequence: n tokens a step
+    room = loaded.runner.shape.max_positions - growth - 2
+    if args.context > room:  # measure_verify_costs would time a shorter context than the one printed
+        ap.error(f"--context {args.context}: the model holds {loaded.runner.shape.max_positions} positions, and "
+                 f"--reps {args.reps} over --sizes {args.sizes} add {growth + 2}: at most {max(room, 0)}")
     ensure_row_policy(loaded.runner)  # linear()'s measured CPU row policy, as every engine built by generate() runs
     times = measure_verify_costs(loaded.runner, [list(range(100, 100 + args.context))], [1, *sizes], SamplingConfig(),
                                  repeats=args.reps)

@@ -112,6 +112,22 @@ def test_bad_arguments_are_one_line_errors(name, argv, monkeypatch, capsys):
     assert exit_.value.code == 2 and "error: " in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_a_verify_cost_context_the_model_cannot_hold_is_refused_not_shortened(monkeypatch, capsys):
+    """measure_verify_costs keeps the last positions that fit, so ``--context 9000`` on an 8192-position model timed
+    a shorter context and printed "context 9000"; past the vocabulary's size it was an IndexError traceback."""
+    module = _script("bench_verify_cost")
+    shape = SimpleNamespace(max_positions=64)
+    monkeypatch.setattr(module, "load_model", lambda name: SimpleNamespace(runner=SimpleNamespace(shape=shape)))
+    monkeypatch.setattr(module, "ensure_row_policy", _measured)
+    with pytest.raises(SystemExit) as exit_:
+        _run(module, ["--context", "48", "--reps", "2", "--sizes", "1,4"], monkeypatch)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --context 48: the model holds 64 positions, and --reps 2 over --sizes 1,4 add 17: at most 47")
+    with pytest.raises(AssertionError, match="measured"):  # what fits is measured
+        _run(module, ["--context", "47", "--reps", "2", "--sizes", "1,4"], monkeypatch)
+
+
 def test_drafters_options_of_each_mode_default_alike_and_grid_out_needs_a_machine_class(tmp_path, capsys,
                                                                                           monkeypatch):
     """The defaults trip no refusal; --grid --out on a CPU docs/gen_benchmarks.py names no class for is refused (its
