@@ -33,9 +33,11 @@ from common import (  # noqa: E402
     time_hf_generate,
     time_specdec,
 )
+from specdec.drafters.registry import get_drafter  # noqa: E402
 from specdec.eval.prompts import load_prompts  # noqa: E402
 
 from specdec.atomic_write import write_json  # noqa: E402
+from specdec.errors import SpecdecError  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
 
@@ -49,11 +51,20 @@ def main() -> None:
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     add_overwrite(ap)
     args = ap.parse_args()
-    check_positive(ap, args, "prompts", "max_new_tokens")
+    check_positive(ap, args, "prompts", "max_new_tokens", "lookup_tokens")
+    if args.max_new_tokens < 2:  # the decode-phase table times the tokens after the first
+        ap.error(f"--max-new-tokens {args.max_new_tokens}: at least 2, the decode phase being the tokens after the "
+                 "first")
     categories = check_categories(ap, args.categories)
+    try:  # refused here, not by the first generate() after the model has loaded
+        options = json.loads(args.drafter_options)
+        if not isinstance(options, dict):
+            ap.error(f"--drafter-options {args.drafter_options!r}: a JSON object of the ngram drafter's options is due")
+        get_drafter("ngram", **options)
+    except (json.JSONDecodeError, SpecdecError) as err:
+        ap.error(f"--drafter-options {args.drafter_options!r}: {err}")
     check_new_files(ap, args.overwrite, args.json)
     torch.set_grad_enabled(False)
-    options = json.loads(args.drafter_options)
     loaded = load_model("default")
     tok = loaded.tokenizer
     warm = chat_ids(tok, "Hello!")

@@ -88,6 +88,11 @@ def test_an_existing_result_file_is_refused_before_anything_is_measured(name, ar
     ("bench_eagle_cpu", ["--eagle-path", "e", "--prompts", "0"]),
     ("bench_eagle_cpu", ["--eagle-path", "e", "--categories", "chat,bogus"]),
     ("bench_plain_cpu", ["--categories", "chat,bogus"]), ("bench_ngram_cpu", ["--categories", "bogus"]),
+    # tracebacks: JSON's, the drafter's after the model loaded, transformers', and a ZeroDivisionError at the end
+    ("bench_ngram_cpu", ["--drafter-options", "{bad"]), ("bench_ngram_cpu", ["--drafter-options", "[1]"]),
+    ("bench_ngram_cpu", ["--drafter-options", '{"bogus": 1}']),
+    ("bench_ngram_cpu", ["--drafter-options", '{"max_ngram": -1}']),
+    ("bench_ngram_cpu", ["--lookup-tokens", "0"]), ("bench_ngram_cpu", ["--max-new-tokens", "1"]),
     ("bench_invariant_cpu", ["--drafters", "ngram,bogus"]), ("bench_invariant_cpu", ["--default-drafters", "bogus"]),
     ("bench_invariant_cpu", ["--alone", "0"]), ("bench_invariant_cpu", ["--batch", "0"]),
     ("bench_invariant_cpu", ["--threads", "0"]), ("bench_invariant_cpu", ["--prompts", "0"]),
