@@ -25,7 +25,7 @@ import specdec.drafters.draft_model  # noqa: E402,F401 -- imported up front: the
 import specdec.drafters.medusa  # noqa: E402,F401
 import specdec.drafters.ngram  # noqa: E402,F401
 import specdec.drafters.self_draft  # noqa: E402,F401
-from common import add_overwrite, chat_ids, check_categories, check_new_files, check_positive  # noqa: E402
+from common import add_overwrite, chat_ids, check_categories, check_new_files, check_positive, run_main  # noqa: E402
 from specdec.eval.divergence import greedy_identity  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
@@ -180,4 +180,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

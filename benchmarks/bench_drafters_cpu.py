@@ -59,6 +59,7 @@ from common import (  # noqa: E402
     eagle_rows,
     forget_guard,
     guard_memory,
+    run_main,
     start_guard_memory,
     time_specdec,
 )
@@ -386,4 +387,4 @@ GRID_ROWS = {"ngram": "ngram", "draft-model": "draft-model (itself)", "self-draf
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

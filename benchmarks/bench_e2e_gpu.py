@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids  # noqa: E402
+from common import chat_ids, run_main  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -215,4 +215,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     check_new_files,
     check_positive,
     eagle_rows,
+    run_main,
     time_specdec,
 )
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
@@ -141,4 +142,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

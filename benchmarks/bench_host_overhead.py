@@ -42,7 +42,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # --batch1's graphed path, befor
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import check_positive  # noqa: E402
+from common import check_positive, run_main  # noqa: E402
 from specdec.eval.negative_controls import generate_with_control  # noqa: E402
 
 from specdec.engine import Engine  # noqa: E402
@@ -251,4 +251,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

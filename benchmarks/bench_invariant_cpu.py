@@ -26,7 +26,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_overwrite, chat_ids, check_new_files, check_positive, cpu_features, cpu_name  # noqa: E402
+from common import (  # noqa: E402
+    add_overwrite,
+    chat_ids,
+    check_new_files,
+    check_positive,
+    cpu_features,
+    cpu_name,
+    run_main,
+)
 
 from specdec.atomic_write import write_text  # noqa: E402
 
@@ -186,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

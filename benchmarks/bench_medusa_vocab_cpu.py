@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_overwrite, chat_ids, check_new_files, time_specdec  # noqa: E402
+from common import add_overwrite, chat_ids, check_new_files, run_main, time_specdec  # noqa: E402
 from specdec.drafters.medusa import MedusaDrafter  # noqa: E402
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, load_medusa  # noqa: E402
 from specdec.drafters.vocab_sources import builtin_prompt_tokens  # noqa: E402
@@ -114,4 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

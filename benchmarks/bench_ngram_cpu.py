@@ -30,6 +30,7 @@ from common import (  # noqa: E402
     check_categories,
     check_new_files,
     check_positive,
+    run_main,
     time_hf_generate,
     time_specdec,
 )
@@ -115,4 +116,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

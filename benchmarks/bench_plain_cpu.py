@@ -15,7 +15,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids, check_categories, check_positive, ratio_line, time_hf_generate, time_specdec  # noqa: E402
+from common import (  # noqa: E402
+    chat_ids,
+    check_categories,
+    check_positive,
+    ratio_line,
+    run_main,
+    time_hf_generate,
+    time_specdec,
+)
 from specdec.eval.prompts import load_prompts  # noqa: E402
 
 from specdec.models.loader import load_model  # noqa: E402
@@ -54,4 +62,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

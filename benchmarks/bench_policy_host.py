@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_overwrite, check_new_files  # noqa: E402
+from common import add_overwrite, check_new_files, run_main  # noqa: E402
 
 from specdec.atomic_write import write_json
 from specdec.cost_model import CostModel
@@ -118,4 +118,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

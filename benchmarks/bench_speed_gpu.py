@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_overwrite, check_new_files  # noqa: E402
+from common import add_overwrite, check_new_files, run_main  # noqa: E402
 from products_curve import blas_library, product_bytes, products_ms  # noqa: E402
 from step_profile import host_python, host_python_lines, markdown_rows, profiled  # noqa: E402
 
@@ -804,4 +804,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

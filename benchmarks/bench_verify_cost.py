@@ -11,13 +11,18 @@ machine that slows down for a few seconds hits every size alike.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from specdec.cost_model import ensure_row_policy
-from specdec.models.loader import load_model
-from specdec.sampling import SamplingConfig
-from specdec.verify_cost import measure_verify_costs
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_main  # noqa: E402
+
+from specdec.cost_model import ensure_row_policy  # noqa: E402
+from specdec.models.loader import load_model  # noqa: E402
+from specdec.sampling import SamplingConfig  # noqa: E402
+from specdec.verify_cost import measure_verify_costs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,4 +55,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

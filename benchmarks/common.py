@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from specdec import cpu_info
+from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -160,3 +162,17 @@ def cpu_features() -> str:
     flags = cpu_info.cpu_flags()
     avx512 = "AVX-512" if "avx512f" in flags else "no AVX-512"
     return f"{avx512}, {'' if flags & {'avx512_bf16', 'amx_bf16'} else 'no '}bf16 instructions"
+
+
+def run_main(main) -> None:
+    """A script's ``main()`` run as a command: exit with its status; Ctrl-C (or SIGTERM: ``timeout``, a scheduler)
+    ends it in one line, status 130 (143), not in a traceback. A result file is written whole or not at all
+    (specdec.atomic_write), so what a script had written before stays as it was."""
+    try:
+        with sigterm_as_interrupt():
+            code = main()
+    except KeyboardInterrupt as err:
+        sys.stdout.flush()
+        print(f"{Path(sys.argv[0]).name}: {how_stopped(err)}", file=sys.stderr)
+        code = exit_code(err)
+    sys.exit(code)

@@ -42,6 +42,7 @@ from common import (  # noqa: E402
     forget_guard,
     guard_memory,
     machine_class,
+    run_main,
     start_guard_memory,
 )
 from drafter_grid import HELD_OUT, category_prompts  # noqa: E402
@@ -323,4 +324,4 @@ def write_result(path: Path, args, timers: Timers, counts, loaded, command: str)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -15,7 +15,8 @@ import specdec.eval.bitwise_level  # noqa: F401
 import torch
 
 import specdec.generate  # noqa: F401
-from tests.script_loading import load_script
+from specdec.sigterm import Terminated
+from tests.script_loading import BENCHMARKS, load_script
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 BARE = ("common", "drafter_grid", "held_out_prompts", "step_profile")  # what the scripts import by bare names
@@ -318,6 +319,38 @@ def test_a_ratio_line_gives_the_rows_tokens_per_second_over_the_baselines():
     """100 tokens in 5 s against the baseline's 100 in 10 s: 20 over 10 tok/s, ratio 2.00x."""
     common = _script("common")
     assert common.ratio_line("ngram", 100, 10.0, 100, 5.0).endswith("ratio  2.00x")
+
+
+INTERRUPTIBLE = ("bench_coupled_cpu", "bench_drafters_cpu", "bench_e2e_gpu", "bench_eagle_cpu", "bench_host_overhead",
+                 "bench_invariant_cpu", "bench_medusa_vocab_cpu", "bench_ngram_cpu", "bench_plain_cpu",
+                 "bench_policy_host", "bench_speed_gpu", "bench_verify_cost", "profile_short_call")
+
+
+@pytest.mark.parametrize("name", INTERRUPTIBLE)
+def test_each_measuring_script_runs_its_main_through_run_main(name):
+    """Ctrl-C (or ``timeout``'s SIGTERM) mid-run ended every benchmark in a traceback wall from deep in the model's
+    forward: run as a script, each main goes through common.run_main."""
+    assert (BENCHMARKS / f"{name}.py").read_text().endswith('\nif __name__ == "__main__":\n    run_main(main)\n')
+
+
+@pytest.mark.parametrize("stop, code, said", [(KeyboardInterrupt, 130, "interrupted"),
+                                              (Terminated, 143, "terminated (SIGTERM)")])
+def test_a_benchmark_stopped_by_ctrl_c_or_sigterm_says_so_in_one_line(stop, code, said, monkeypatch, capsys):
+    common = _script("common")
+    monkeypatch.setattr(sys, "argv", ["benchmarks/bench_plain_cpu.py"])
+
+    def main():
+        print("measured so far")
+        raise stop
+
+    with pytest.raises(SystemExit) as exit_:
+        common.run_main(main)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == code and out == "measured so far\n" and err == f"bench_plain_cpu.py: {said}\n"
+    for returned in (None, 2):  # else main's own status
+        with pytest.raises(SystemExit) as exit_:
+            common.run_main(lambda returned=returned: returned)
+        assert exit_.value.code == returned
 
 
 @pytest.mark.parametrize("cold, machine, said", [(True, False, "cold"), (False, True, "machine"),
