@@ -97,11 +97,13 @@ def ratio_line(name: str, base_tokens: int, base_s: float, tokens: int, seconds:
 
 
 def check_new_files(ap, overwrite: bool, *paths) -> None:
-    """A one-line ``ap.error`` when a result file would replace one that exists, unless ``overwrite``, or when its
-    folder cannot be made (the writers create it: specdec.atomic_write)."""
+    """A one-line ``ap.error`` when a result file would replace one that exists, unless ``overwrite``, when it names a
+    folder, or when its folder cannot be made (the writers create it: specdec.atomic_write)."""
     from specdec.output_dirs import why_uncreatable
 
     for path in paths:
+        if path is not None and Path(path).is_dir():  # written after the run, it failed with a traceback then
+            ap.error(f"{path} is a folder; give the result file's name")
         if path is not None and not overwrite and Path(path).exists():
             ap.error(f"{path} exists; pass --overwrite to replace it")
         why = None if path is None else why_uncreatable(Path(path).parent)

@@ -78,6 +78,14 @@ def test_an_existing_result_file_is_refused_before_anything_is_measured(name, ar
     assert err.endswith("exists; pass --overwrite to replace it"), err
     with pytest.raises(AssertionError, match="measured"):  # --overwrite: on to the measurement
         _run(module, args + ["--overwrite"], monkeypatch)
+    # a folder where the file goes: --overwrite cannot help, and the write failed after the whole run
+    folder = [a.format(out=tmp_path / "folder", dir=tmp_path / "folder") for a in argv]
+    for existing in ("folder", "folder/speed.json", "folder/coupled-tau.json"):
+        (tmp_path / existing).mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        _run(module, folder + ["--overwrite"], monkeypatch)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("is a folder; give the result file's name")
 
 
 @pytest.mark.parametrize("name,argv", [
