@@ -182,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     start_guard_memory(args)
     loaded = load_model(args.model)
+    if args.append:  # before the calls: a file the column cannot join is refused, not found out after the run
+        problem = appendable(args.out, header(args, loaded))
+        if problem:
+            ap.error(problem)
     timers = Timers()
     undo = timers.install(drafter_cls)
     torch.set_grad_enabled(False)
@@ -291,12 +295,48 @@ def result_column(args, timers: Timers, counts) -> tuple[str, list[list[str]], s
     return label, rows, note
 
 
+def header(args, loaded) -> dict:
+    """The fields of this run's docs/results file that every column of it shares: the machine and the settings,
+    also as ``settings`` (which ``--append`` compares: the text of the others may be edited by hand)."""
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine_class": machine_class(),
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} torch thread(s)",
+        "benchmark": "short-call-profile",
+        "title": TITLE,
+        "conditions": f"Model {args.model}, {dtype}, greedy, {args.prompts} call(s) per row after one warm-up call "
+                      "each, plain and the drafter alternating per prompt. A column is drafter, category, new "
+                      "tokens and where the guard's memory started: " + MEMORIES + " Every figure is CPU time "
+                      "(process_time) per call, inclusive; a share is of the drafter's call.",
+        "settings": {"cpu": cpu_name(), "threads": torch.get_num_threads(), "model": args.model, "dtype": dtype,
+                     "prompts": args.prompts},
+    }
+
+
+def appendable(path: Path, mine: dict) -> str | None:
+    """Why this run's column (its ``header``) cannot join the profile at ``path``, or None: the file states its
+    machine and settings once for every column, so a column of other threads, model or prompts would be misread."""
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{path}: not JSON ({err}); --append adds to a file this script wrote"
+    if not isinstance(data, dict) or data.get("benchmark") != "short-call-profile":
+        return f"{path}: not a short-call profile; --append adds to one"
+    theirs = data.get("settings") or {}  # none in a file written before the field was
+    differ = [f"{key} {theirs[key]} there, {value} here" for key, value in mine["settings"].items()
+              if key in theirs and theirs[key] != value]
+    if differ:
+        return f"{path}: another run's settings ({'; '.join(differ)}); a column of other settings needs a file"
+    return None
+
+
 def write_result(path: Path, args, timers: Timers, counts, loaded, command: str) -> None:
     """The run as a docs/results file, or (``--append``) as one more column of the file at ``path``."""
     label, rows, note = result_column(args, timers, counts)
     if args.append:
         data = json.loads(path.read_text())
-        if data.get("benchmark") != "short-call-profile" or [r[0] for r in data["rows"]] != [r[0] for r in rows]:
+        if [r[0] for r in data["rows"]] != [r[0] for r in rows]:
             raise ValueError(f"{path}: not a short-call profile with these rows; --append adds to one")
         data["columns"].append(label)
         data["rows"] = [old + new[1:] for old, new in zip(data["rows"], rows, strict=True)]
@@ -304,22 +344,8 @@ def write_result(path: Path, args, timers: Timers, counts, loaded, command: str)
         data["command"].append(command)
         data["notes"].append(note)
     else:
-        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-        data = {
-            "date": datetime.date.today().isoformat(),
-            "machine_class": machine_class(),
-            "machine": f"{cpu_name()}, {torch.get_num_threads()} torch thread(s)",
-            "benchmark": "short-call-profile",
-            "title": TITLE,
-            "command": [command],
-            "conditions": f"Model {args.model}, {dtype}, greedy, {args.prompts} call(s) per row after one warm-up call "
-                          "each, plain and the drafter alternating per prompt. A column is drafter, category, new "
-                          "tokens and where the guard's memory started: " + MEMORIES + " Every figure is CPU time "
-                          "(process_time) per call, inclusive; a share is of the drafter's call.",
-            "columns": ["per call, CPU time", label],
-            "rows": rows,
-            "notes": [note],
-        }
+        data = {**header(args, loaded), "command": [command], "columns": ["per call, CPU time", label], "rows": rows,
+                "notes": [note]}
     write_json(path, data, indent=1)
 
 

@@ -8,6 +8,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from tests.script_loading import load_script
 
@@ -132,3 +133,31 @@ def test_profile_writes_its_result_file_and_appends_a_column(profiler, chat_ckpt
     assert call.endswith(")") and " steps (" in call
     assert all(c.endswith("x") and " / " in c for c in rows["call, ratio to plain (CPU / wall)"])
     assert len(result["notes"]) == 2 and result["notes"][1].startswith("ngram, held-out, 4, cold: ")
+
+
+def test_a_profile_column_of_other_settings_or_a_file_not_a_profile_is_refused_before_the_calls(
+        profiler, chat_ckpt, tmp_path, capsys, monkeypatch):
+    """--append joined a run of other prompts or threads to a file stating the first run's, and found a file that was
+    no profile (or not JSON, in a line naming no file) only after every call was made."""
+    out = tmp_path / "prof.json"
+    base = ["--model", str(chat_ckpt), "--drafter", "ngram", "--category", "held-out", "--prompts", "1",
+            "--max-new-tokens", "4", "--out", str(out)]
+    profiler.main(base)
+    written = out.read_text()
+    monkeypatch.setattr(profiler, "run_calls", lambda *a: pytest.fail("called before the file was checked"))
+    threads = torch.get_num_threads()
+    for extra, said in ((["--prompts", "2", "--append"], "prompts 1 there, 2 here"),
+                        (["--threads", str(threads + 1), "--append"], f"threads {threads} there, {threads + 1} here")):
+        try:
+            with pytest.raises(SystemExit):
+                profiler.main(base[:-4] + extra + base[-2:])
+        finally:
+            torch.set_num_threads(threads)
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"error: {out}: another run's settings ({said}); a column of other settings needs a file" in err
+        assert out.read_text() == written
+    for text, said in (('{"a":', "not JSON ("), ('{"benchmark": "drafter-grid"}', "not a short-call profile")):
+        out.write_text(text)
+        with pytest.raises(SystemExit):
+            profiler.main(base + ["--append"])
+        assert f"error: {out}: {said}" in capsys.readouterr().err.strip().splitlines()[-1]
