@@ -38,6 +38,7 @@ from common import (  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
 from specdec.atomic_write import write_json  # noqa: E402
+from specdec.errors import SpecdecError, first_line  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 from specdec.output import acceptance_rates  # noqa: E402
 
@@ -71,7 +72,22 @@ def main() -> None:
     args = ap.parse_args()
     check_positive(ap, args, "prompts", "max_new_tokens", "repeats")
     categories = check_categories(ap, args.categories)
+    if args.temperature < 0:
+        ap.error(f"--temperature {args.temperature}: 0 (greedy) or above")
+    bad = [spec for spec in args.medusa_path if not all(spec.partition("=")[::2])]
+    if bad:
+        ap.error(f"--medusa-path: NAME=DIR, got {', '.join(map(repr, bad))}")
     check_new_files(ap, args.overwrite, args.json)
+    try:
+        measure(args, categories)
+    except SpecdecError as err:  # a checkpoint that is not there or not a layer: one line
+        ap.error(first_line(err))
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def measure(args, categories: list[str]) -> None:
+    """The run: every drafter against plain decoding per prompt, the tables printed, the JSON written."""
     torch.set_grad_enabled(False)
     loaded = load_model("default")
     # "plain (again)": plain decoding a second time in every block, this run's noise floor

@@ -13,6 +13,7 @@ import pytest
 import specdec.drafters.draft_model  # noqa: F401 -- imported (binding the real load_model) before a test fakes it
 import specdec.eval.bitwise_level  # noqa: F401
 import torch
+from specdec.drafters.eagle_checkpoint import EagleCheckpointError
 
 import specdec.generate  # noqa: F401
 from specdec.sigterm import Terminated
@@ -96,6 +97,8 @@ def test_an_existing_result_file_is_refused_before_anything_is_measured(name, ar
     ("bench_eagle_cpu", ["--eagle-path", "e", "--repeats", "-2"]),
     ("bench_eagle_cpu", ["--eagle-path", "e", "--prompts", "0"]),
     ("bench_eagle_cpu", ["--eagle-path", "e", "--categories", "chat,bogus"]),
+    ("bench_eagle_cpu", ["--eagle-path", "e", "--medusa-path", "heads/"]),  # NAME=DIR: a Medusa path of ''
+    ("bench_eagle_cpu", ["--eagle-path", "e", "--temperature", "-1"]),
     ("bench_plain_cpu", ["--categories", "chat,bogus"]), ("bench_ngram_cpu", ["--categories", "bogus"]),
     # tracebacks: JSON's, the drafter's after the model loaded, transformers', and a ZeroDivisionError at the end
     ("bench_ngram_cpu", ["--drafter-options", "{bad"]), ("bench_ngram_cpu", ["--drafter-options", "[1]"]),
@@ -195,6 +198,24 @@ def test_a_model_that_is_not_there_is_a_one_line_error(name, argv, tmp_path, mon
         _run(module, argv, monkeypatch)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and "unknown model" in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_an_eagle_checkpoint_that_is_not_there_is_a_one_line_error(monkeypatch, capsys):
+    """bench_eagle_cpu.py ended in an EagleCheckpointError traceback (bench_drafters_cpu.py said it in one line)."""
+    module = _script("bench_eagle_cpu")
+
+    def specdec_call(loaded, ids, max_new_tokens, drafter=None, drafter_options=None, **kw):
+        if drafter == "eagle":
+            raise EagleCheckpointError(f"EAGLE checkpoint directory not found: {drafter_options['path']}")
+        return _fake_specdec(loaded, ids, max_new_tokens)
+
+    monkeypatch.setattr(module, "load_model", lambda name: _fake_loaded())
+    monkeypatch.setattr(module, "time_specdec", specdec_call)
+    with pytest.raises(SystemExit) as exit_:
+        _run(module, ["--eagle-path", "no-layer", "--categories", "chat", "--prompts", "1"], monkeypatch)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err[-1].endswith("error: EAGLE checkpoint directory not found: no-layer")
+    assert torch.is_grad_enabled()  # switched back on, as after a finished run
 
 
 def _fake_specdec(loaded, ids, max_new_tokens, drafter=None, **kw):
