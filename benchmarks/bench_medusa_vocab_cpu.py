@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_overwrite, chat_ids, check_new_files, run_main, time_specdec  # noqa: E402
+from common import add_overwrite, chat_ids, check_new_files, check_positive, run_main, time_specdec  # noqa: E402
 from specdec.drafters.medusa import MedusaDrafter  # noqa: E402
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, load_medusa  # noqa: E402
 from specdec.drafters.vocab_sources import builtin_prompt_tokens  # noqa: E402
 from specdec.eval.prompts import load_prompts  # noqa: E402
 
+from specdec.atomic_write import write_json  # noqa: E402
+from specdec.errors import SpecdecError, first_line  # noqa: E402
 from specdec.generation_config import GenerationConfig  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
@@ -57,13 +58,17 @@ def main() -> None:
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     add_overwrite(ap)
     args = ap.parse_args()
+    check_positive(ap, args, "prompts", "max_new_tokens", "draft_vocab", "max_nodes")
     check_new_files(ap, args.overwrite, args.json)
     torch.set_grad_enabled(False)
     loaded = load_model("default")
     tok = loaded.tokenizer
     ids = builtin_prompt_tokens(tok, args.draft_vocab)
-    full = load_medusa(args.full_path) if args.full_path else untrained_heads(loaded)
-    reduced = load_medusa(args.reduced_path) if args.reduced_path else untrained_heads(loaded, ids)
+    try:
+        full = load_medusa(args.full_path) if args.full_path else untrained_heads(loaded)
+        reduced = load_medusa(args.reduced_path) if args.reduced_path else untrained_heads(loaded, ids)
+    except SpecdecError as err:  # a checkpoint that is not there or not Medusa heads: one line
+        ap.error(first_line(err))
     n_reduced = reduced.config.draft_size
     table = {
         "plain": lambda: None,
@@ -110,7 +115,7 @@ def main() -> None:
         print(f"{key:<28} {tps:8.2f} {row['vs_plain']:8.2f}x {row['tau']:6.2f} {row['draft_ms_per_step']:14.2f}"
               + (f"  ({t['differ']} prompts differ from plain!)" if t["differ"] else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, indent=2)  # its folder made, as check_new_files promised
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def test_an_existing_result_file_is_refused_before_anything_is_measured(name, ar
 @pytest.mark.parametrize("name,argv", [
     ("bench_verify_cost", ["--sizes", "0,2"]), ("bench_verify_cost", ["--sizes", "a"]),
     ("bench_policy_host", ["--rounds", "0"]), ("bench_medusa_vocab_cpu", ["--speculation", "bogus"]),
+    ("bench_medusa_vocab_cpu", ["--prompts", "0"]), ("bench_medusa_vocab_cpu", ["--max-nodes", "0"]),
     # each refused before a model loads (they used to run into a traceback after some measuring)
     ("bench_eagle_cpu", ["--eagle-path", "e", "--repeats", "0"]),
     ("bench_eagle_cpu", ["--eagle-path", "e", "--repeats", "-2"]),
@@ -235,6 +236,9 @@ JSON_WRITERS = [
     ("bench_drafters_cpu", ["--categories", "chat", "--prompts", "1", "--drafters", "ngram", "--machine-memory"],
      dict(time_specdec=_fake_specdec, load_cost_model=lambda runner: None)),
     ("bench_policy_host", ["--rounds", "1"], dict(measure=lambda *args: POLICY_ROW)),
+    ("bench_medusa_vocab_cpu", ["--prompts", "1"],
+     dict(time_specdec=_fake_specdec, builtin_prompt_tokens=lambda tok, n: [1, 2], MedusaDrafter=lambda **kw: None,
+          untrained_heads=lambda loaded, ids=(): SimpleNamespace(config=SimpleNamespace(draft_size=len(ids) or 9)))),
 ]
 
 
