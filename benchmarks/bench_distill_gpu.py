@@ -15,13 +15,13 @@ checkpoint of that shape, without sending its file. Refuses to run without CUDA 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
+
+from specdec.atomic_write import write_json
 
 
 def parse_args(argv=None):
@@ -95,9 +95,8 @@ def main(argv=None) -> int:
           f"x {args.max_new_tokens} tokens, batch {args.batch_size}: graphs / eager = {ratio:.2f}x; "
           f"{same}/{len(prompts)} sequences the same token for token")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "ratio": ratio,
-                                               "same_sequences": same, "device": torch.cuda.get_device_name()},
-                                              indent=1))
+        write_json(args.json, {"args": vars(args), "results": results, "ratio": ratio, "same_sequences": same,
+                               "device": torch.cuda.get_device_name()}, indent=1)
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -37,6 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import chat_ids, run_main  # noqa: E402
+
+from specdec.atomic_write import write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -203,10 +204,9 @@ def main(argv=None) -> int:
             print(f"  {m}: {row['tokens']} tokens in {row['steps']} steps (tau {row['tokens'] / row['steps']:.2f}), "
                   f"{row['drafted_steps']} verified a draft ({row['nodes'] / row['drafted_steps']:.1f} nodes each)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), tokens_per_s=tps, per_category=per_category,
-                           reference=reference, same_as_reference=same, divergences=divergences,
-                           speculation=speculation, prompts=count, max_new_tokens=n_new), f, indent=1)
+        write_json(args.json, dict(gpu=torch.cuda.get_device_name(), tokens_per_s=tps, per_category=per_category,
+                                   reference=reference, same_as_reference=same, divergences=divergences,
+                                   speculation=speculation, prompts=count, max_new_tokens=n_new), indent=1)
     for m, divs in divergences.items():
         for d in divs:
             print(f"  {m} prompt {d['prompt']} ({d['category']}): diverges at token {d['position']}, "

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
 
 import torch
+
+from specdec.atomic_write import write_json
 
 SHAPES = {"llama8b": (32, 8, 128), "embedded": (9, 3, 64), "tiny": (4, 2, 16)}  # query heads, kv heads, head dim
 DEVICE = "cuda"  # "cpu" only for --cpu-smoke (Triton interpreter, fp32, plumbing check, no meaningful times)
@@ -205,9 +206,9 @@ def main(argv=None) -> int:
                               f"{t / row['causal_us'] if row['causal_us'] else nan:6.2f} "
                               f"{row['vs_decode'] or nan:9.2f} {row['max_abs_err']:8.1e}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(gpu=gpu, date=str(datetime.date.today()), copy_bytes_per_s=copy_bps, dtype=args.dtype,
-                           timing="cuda_graph" if args.graph else "do_bench", points=rows), f, indent=1)
+        write_json(args.json, dict(gpu=gpu, date=str(datetime.date.today()), copy_bytes_per_s=copy_bps,
+                                   dtype=args.dtype, timing="cuda_graph" if args.graph else "do_bench", points=rows),
+                   indent=1)
     return 0
 
 

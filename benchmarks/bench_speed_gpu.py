@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import datetime
 import gc
-import json
 import statistics
 import sys
 import time
@@ -47,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_overwrite, check_new_files, run_main  # noqa: E402
 from products_curve import blas_library, product_bytes, products_ms  # noqa: E402
 from step_profile import host_python, host_python_lines, markdown_rows, profiled  # noqa: E402
+
+from specdec.atomic_write import write_json, write_text  # noqa: E402
 
 FULL_MODELS = ("synthetic:llama-3.1-8b", "default", "synthetic:qwen3-1.7b", "synthetic:llama-3.2-1b")
 EMBEDDED_SHAPE = "synthetic:smollm2-135m"  # the embedded model's shape: its speed where its GGUF is not at hand
@@ -779,8 +780,8 @@ def main(argv=None) -> int:
                            copy_gb_per_s=bandwidth / 1e9), models=[])
 
     def save() -> None:
-        (out / "speed.json").write_text(json.dumps(report, indent=1))
-        (out / "speed.md").write_text(markdown(report))
+        write_json(out / "speed.json", report, indent=1)  # whole or not at all: a run stopped mid-write keeps the last
+        write_text(out / "speed.md", markdown(report))
 
     for i, spec in enumerate(args.models):
         # the first model (the 8B shape) gets FIRST_MODEL_WEIGHT shares to a later one's 1

@@ -29,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_overwrite, check_new_files  # noqa: E402
 
+from specdec.atomic_write import write_text  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 ENV_LINE = re.compile(r"^(?P<gpu>[^\n(]+?) \([^\n)]*\), torch (?P<torch>\S+) \(CUDA [^\n)]*\), triton (?P<triton>\S+), "
                       r"transformers (?P<transformers>\S+)$", re.M)
@@ -379,7 +381,7 @@ def main(argv=None) -> int:
     check_new_files(ap, args.overwrite, *(args.out / name for name in made))
     args.out.mkdir(parents=True, exist_ok=True)
     for name, data in made.items():
-        (args.out / name).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        write_text(args.out / name, json.dumps(data, indent=1, ensure_ascii=False) + "\n")  # whole or not at all
         print(args.out / name)
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -352,6 +353,16 @@ def test_a_ratio_line_gives_the_rows_tokens_per_second_over_the_baselines():
     """100 tokens in 5 s against the baseline's 100 in 10 s: 20 over 10 tok/s, ratio 2.00x."""
     common = _script("common")
     assert common.ratio_line("ngram", 100, 10.0, 100, 5.0).endswith("ratio  2.00x")
+
+
+def test_every_benchmark_writes_its_result_files_whole():
+    """bench_e2e_gpu, bench_kernels_gpu, bench_distill_gpu and bench_speed_gpu wrote their JSON with open(..., "w") or
+    Path.write_text: a half-written file where a run stopped mid-write (speed.json is rewritten after every model),
+    and no folder made for a --json path in a new one. Every script writes through specdec.atomic_write."""
+    carried = {"gpu_carry.py"}  # its .md5 travels to the device machine beside the GGUF: no result (and logs stream)
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        if path.name not in carried:
+            assert not re.search(r'open\([^)]*,\s*"w"|\.write_text\(|json\.dump\(', path.read_text()), path.name
 
 
 INTERRUPTIBLE = ("bench_coupled_cpu", "bench_drafters_cpu", "bench_e2e_gpu", "bench_eagle_cpu", "bench_host_overhead",
