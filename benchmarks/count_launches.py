@@ -33,6 +33,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
 
+from specdec.errors import SpecdecError, first_line  # noqa: E402
 from specdec.launches import Launches  # noqa: E402
 from specdec.models.llama import LlamaRunner  # noqa: E402
 
@@ -180,13 +181,26 @@ def pending_launches(loaded, depth: int, width: int, calls: int = 8) -> tuple[La
     return counter, min(seen[0] - 1, calls)
 
 
+def eagle_tree(text: str) -> tuple[int, int] | None:
+    """``--eagle``'s ``DEPTH,TOP_K`` -> two positive ints; '' -> None (no EAGLE rows)."""
+    if not text.strip():
+        return None
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected DEPTH,TOP_K (two positive integers) or '', got {text!r}")
+    depth, top_k = (int(p) for p in parts)
+    return depth, top_k
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:smollm2-135m@tiny")
     ap.add_argument("--batch", type=int, default=1, help="sequences of the graphed plain steps")
-    ap.add_argument("--eagle", default="6,1", metavar="DEPTH,TOP_K",
+    ap.add_argument("--eagle", default="6,1", type=eagle_tree, metavar="DEPTH,TOP_K",
                     help="EAGLE's drafting calls counted for a tree of this depth and top-k ('' for none)")
     args = ap.parse_args(argv)
+    if args.batch < 1:
+        ap.error(f"--batch {args.batch}: at least 1")
     os.environ["SPECDEC_ATTENTION"] = "triton"
     # a CPU's row policy sends small products through padded, transposed ones (more launches); a GPU never does
     from specdec import engine_setup
@@ -197,7 +211,10 @@ def main(argv=None) -> int:
     from specdec.models.fused_projections import pack_projections
     from specdec.models.loader import load_model
 
-    loaded = load_model(args.model, device="cpu")
+    try:
+        loaded = load_model(args.model, device="cpu")
+    except SpecdecError as err:  # a model that is not there: one line
+        ap.error(first_line(err))
     layers = len(loaded.model.model.layers)
     if layers < 2:
         ap.error("the model needs at least 2 layers (a layer's launches are the full forward's less a 1-layer one's)")
@@ -221,7 +238,7 @@ def main(argv=None) -> int:
         print(f"graphed plain step, batch {args.batch}, {where}: {sum(ops.values()) / steps:.1f} launches per step "
               f"over {steps} steps {dict(sorted(ops.items()))}")
     if args.eagle:
-        depth, width = (int(x) for x in args.eagle.split(","))
+        depth, width = args.eagle
         for backend in ("reference", "triton"):
             ops, calls = eagle_launches(loaded, depth, width, backend)
             total = sum(ops.values()) / calls

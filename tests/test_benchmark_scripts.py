@@ -17,6 +17,8 @@ import torch
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError
 
 import specdec.generate  # noqa: F401
+from specdec import engine_setup
+from specdec.models import row_policy
 from specdec.sigterm import Terminated
 from tests.script_loading import BENCHMARKS, load_script
 
@@ -116,6 +118,8 @@ def test_an_existing_result_file_is_refused_before_anything_is_measured(name, ar
     ("bench_host_overhead", ["--repeats", "0"]), ("bench_host_overhead", ["--batch1", "--repeats", "0"]),
     ("bench_host_overhead", ["--tokens", "0"]), ("bench_host_overhead", ["--batch1", "--tokens", "0"]),
     ("bench_drafters_cpu", ["--max-new-tokens", "0"]),
+    # a traceback after every forward had been counted
+    ("count_launches", ["--eagle", "6"]), ("count_launches", ["--eagle", "0,1"]), ("count_launches", ["--batch", "0"]),
     # an option of the other mode, which it would ignore
     ("bench_drafters_cpu", ["--out", "x.json"]), ("bench_drafters_cpu", ["--lengths", "16"]),
     ("bench_drafters_cpu", ["--grid", "--json", "x.json"]), ("bench_drafters_cpu", ["--grid", "--max-new-tokens", "8"]),
@@ -192,8 +196,12 @@ def test_a_short_call_profile_refuses_what_it_cannot_run_before_a_model_loads(ar
 @pytest.mark.parametrize("name,argv", [
     ("bench_drafters_cpu", ["--categories", "chat", "--machine-memory"]),
     ("bench_coupled_cpu", ["--part", "tau", "--out", "{dir}"]),
+    ("count_launches", ["--eagle", ""]),
 ])
 def test_a_model_that_is_not_there_is_a_one_line_error(name, argv, tmp_path, monkeypatch, capsys):
+    # count_launches turns the CPU's row policy off for its process: kept to this test
+    monkeypatch.setattr(engine_setup, "ensure_row_policy", engine_setup.ensure_row_policy)
+    monkeypatch.setattr(row_policy, "uninstall", lambda: None)
     module = _script(name)
     argv = [a.format(dir=tmp_path) for a in argv] + ["--model", str(tmp_path / "no-model")]
     with pytest.raises(SystemExit) as exit_:
