@@ -228,6 +228,22 @@ def test_an_eagle_checkpoint_that_is_not_there_is_a_one_line_error(monkeypatch, 
     assert torch.is_grad_enabled()  # switched back on, as after a finished run
 
 
+def test_host_overhead_rows_are_timed_after_a_warm_up_and_plain_takes_no_speculation_setting(monkeypatch, capsys):
+    """With --repeats 1 the first row (plain) was timed on the process's first call: 3720 us per sequence-step against
+    208 once warm, slower than the drafters' rows; and plain's calls passed speculation="always", which generate()
+    warned in the table's output that it ignored."""
+    module = _script("bench_host_overhead")
+    calls = []
+    monkeypatch.setattr(module, "timed_engine", lambda seconds: None)  # no wrapping of the engine's methods here
+    monkeypatch.setattr(module, "build_tiny_model", lambda **kw: "model")
+    monkeypatch.setattr(module, "generate_with_control",
+                        lambda model, prompts, exact, drafter=None, **kw: calls.append((len(prompts), drafter, kw)))
+    _run(module, ["--sequences", "20", "--repeats", "1"], monkeypatch)
+    assert [n for n, _, _ in calls] == [8, 20] * 3  # each row: an untimed warm-up, then the timed call
+    assert [("speculation" in kw) == (drafter is not None) for _, drafter, kw in calls] == [True] * 6
+    assert "plain" in capsys.readouterr().out
+
+
 def _fake_specdec(loaded, ids, max_new_tokens, drafter=None, **kw):
     stats = SimpleNamespace(steps=2, depth_tried=[1], depth_accepted=[1], step_nodes=[1, 1])
     return 1.0, SimpleNamespace(stats=[stats], new_tokens=[[1, 2, 3]], prefill_seconds=0.1, seconds=1.0,
