@@ -12,7 +12,8 @@ row, what it measured: docs/gpu_latest.py finds rows by it), ``tables`` (further
 ``name``, ``columns`` and ``rows``), ``notes`` and ``kind`` (``history``: shown in the history only). The page shows
 the latest result per machine class and benchmark, then every result by date; two results that tie for latest (same
 class, benchmark, date and run) are refused, as one would hide the other, as is a malformed file (not JSON, a date
-not YYYY-MM-DD, a run not an integer, a table without rows or a row not as long as its columns).
+not YYYY-MM-DD, a run not an integer, a kind not one of KINDS, a command or notes neither a string nor a list of
+strings, a table without rows or a row not as long as its columns).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def sibling(name: str) -> ModuleType:
 
 _COMMANDS = sibling("doc_commands")
 REQUIRED = ("date", "machine_class", "machine", "benchmark", "title", "command")
+KINDS = ("benchmark", "history")  # a result's ``kind``: shown as its class's latest run, or in the history only
 
 HEADER = """# Benchmarks
 
@@ -96,6 +98,13 @@ def _malformed(data) -> str | None:
         return f"date {date!r} is no day of the calendar"
     if "run" in data and (isinstance(data["run"], bool) or not isinstance(data["run"], int)):
         return f"run {data['run']!r} is not an integer"
+    if data.get("kind", "benchmark") not in KINDS:  # another kind would leave the result out of the latest runs
+        return f"kind {data['kind']!r} is not one of {', '.join(KINDS)}"
+    for field in ("command", "notes"):  # each one string, or a list of them (notes may be left out)
+        value = data.get(field) or []
+        if not all(isinstance(v, str) for v in ([value] if isinstance(value, str) else
+                                               value if isinstance(value, list) else [value])):
+            return f"{field} {value!r} is neither a string nor a list of strings"
     tables = ([("", data)] if "columns" in data or "rows" in data else []) + [
         (f"tables[{i}] ", t) for i, t in enumerate(data.get("tables") or [])]
     for where, table in tables:

@@ -287,6 +287,11 @@ _RESULT = ('"machine_class": "cpu-avx512", "title": "T", "machine": "m", "benchm
     ('"date": "2026-12-04", "tables": [{"name": "t", "columns": ["a"], "rows": [["1", "2"]]}]',
      r"tables\[0\] row 0 has 2 cells for 1 columns"),
     ('"date": "2026-12-04", "notes": ["a",],', "not valid JSON"),
+    # a traceback when the page was rendered, or (a kind mistyped) a result left out of the latest runs unsaid
+    ('"date": "2026-12-04", "command": 5', "command 5 is neither a string nor a list of strings"),
+    ('"date": "2026-12-04", "command": ["python x.py", 3]', "neither a string nor a list of strings"),
+    ('"date": "2026-12-04", "notes": 5', "notes 5 is neither a string nor a list of strings"),
+    ('"date": "2026-12-04", "kind": "histroy"', "kind 'histroy' is not one of benchmark, history"),
 ])
 def test_a_malformed_result_file_is_refused_in_one_line_naming_it(tmp_path, fields, refusal):
     """A malformed file rendered as it was (a short row, a table without rows), crashed with a traceback that named
