@@ -25,7 +25,15 @@ import specdec.drafters.draft_model  # noqa: E402,F401 -- imported up front: the
 import specdec.drafters.medusa  # noqa: E402,F401
 import specdec.drafters.ngram  # noqa: E402,F401
 import specdec.drafters.self_draft  # noqa: E402,F401
-from common import add_overwrite, chat_ids, check_categories, check_new_files, check_positive, run_main  # noqa: E402
+from common import (  # noqa: E402
+    HelpWithDefaults,
+    add_overwrite,
+    chat_ids,
+    check_categories,
+    check_new_files,
+    check_positive,
+    run_main,
+)
 from specdec.eval.divergence import greedy_identity  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
@@ -140,7 +148,7 @@ def temperatures(ap, text: str) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--part", choices=("identity", "tau", "both"), default="both")
     ap.add_argument("--identity-prompts", type=int, default=20)
     ap.add_argument("--identity-tokens", type=int, default=128)

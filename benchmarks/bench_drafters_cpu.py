@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import drafter_grid  # noqa: E402
 from common import (  # noqa: E402
+    HelpWithDefaults,
     add_guard_memory,
     add_overwrite,
     chat_ids,
@@ -281,7 +282,7 @@ def grid_mode(args, loaded, table: dict, run, every_drafter: list[str]) -> list[
 
 
 def parse_args(argv: list[str] | None = None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--model", default="default", help="the target model (a path or an alias)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per category (in --grid: batches in batch8)")
     ap.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default 96; --grid: --lengths)")

@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids, run_main  # noqa: E402
+from common import HelpWithDefaults, chat_ids, run_main  # noqa: E402
 
 from specdec.atomic_write import write_json  # noqa: E402
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--categories", default="chat,code,summarisation")

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    HelpWithDefaults,
     add_overwrite,
     chat_ids,
     check_categories,
@@ -53,7 +54,7 @@ def tree_shape(text: str) -> tuple[int, int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--eagle-path", required=True, help="an EAGLE checkpoint directory (specdec train-eagle)")
     ap.add_argument("--medusa-path", action="append", default=[], help="NAME=DIR of Medusa heads to compare")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per category")

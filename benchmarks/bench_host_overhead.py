@@ -42,7 +42,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # --batch1's graphed path, befor
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import check_positive, run_main  # noqa: E402
+from common import HelpWithDefaults, check_positive, run_main  # noqa: E402
 from specdec.eval.negative_controls import generate_with_control  # noqa: E402
 
 from specdec.engine import Engine  # noqa: E402
@@ -203,7 +203,7 @@ def batch1(tokens: int, repeats: int, batch: int = 1) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--sequences", type=int, default=3000)
     ap.add_argument("--tokens", type=int, default=None,
                     help="new tokens per sequence (sampled, temperature 0.9; default 3, with --batch1 400)")

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
+    HelpWithDefaults,
     add_overwrite,
     chat_ids,
     check_new_files,
@@ -75,7 +76,7 @@ def drafters(loaded, medusa_path=None, eagle_path=None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpWithDefaults)
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=128)

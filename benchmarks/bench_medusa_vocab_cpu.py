@@ -24,7 +24,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_overwrite, chat_ids, check_new_files, check_positive, run_main, time_specdec  # noqa: E402
+from common import (  # noqa: E402
+    HelpWithDefaults,
+    add_overwrite,
+    chat_ids,
+    check_new_files,
+    check_positive,
+    run_main,
+    time_specdec,
+)
 from specdec.drafters.medusa import MedusaDrafter  # noqa: E402
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, load_medusa  # noqa: E402
 from specdec.drafters.vocab_sources import builtin_prompt_tokens  # noqa: E402
@@ -44,7 +52,7 @@ def untrained_heads(loaded, ids=()) -> MedusaHeads:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--prompts", type=int, default=3, help="chat prompts")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--draft-vocab", type=int, default=4096, help="size of the reduced vocabulary (built heads)")

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    HelpWithDefaults,
     add_overwrite,
     chat_ids,
     check_categories,
@@ -43,7 +44,7 @@ from specdec.models.loader import load_model  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--categories", default="summarisation,code,chat")

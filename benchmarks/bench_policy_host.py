@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_overwrite, check_new_files, run_main  # noqa: E402
+from common import HelpWithDefaults, add_overwrite, check_new_files, run_main  # noqa: E402
 
 from specdec.atomic_write import write_json
 from specdec.cost_model import CostModel
@@ -96,7 +96,7 @@ def measure(batch: int, depth: int, width: int, scored: bool, rounds: int) -> di
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--json", default=None)
     add_overwrite(ap)

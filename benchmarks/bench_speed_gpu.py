@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_overwrite, check_new_files, run_main  # noqa: E402
+from common import HelpWithDefaults, add_overwrite, check_new_files, run_main  # noqa: E402
 from products_curve import blas_library, product_bytes, products_ms  # noqa: E402
 from step_profile import host_python, host_python_lines, markdown_rows, profiled  # noqa: E402
 
@@ -66,7 +66,7 @@ PRODUCT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 65, 72, 80, 96, 128)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--out", default="gpu-report", help="directory of speed.json / speed.md (created)")
     ap.add_argument("--rehearse", action="store_true",
                     help="CPU, tiny shapes, few tokens: checks the whole command in well under a minute")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_main  # noqa: E402
+from common import HelpWithDefaults, run_main  # noqa: E402
 
 from specdec.cost_model import ensure_row_policy  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
@@ -26,7 +26,7 @@ from specdec.verify_cost import measure_verify_costs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16")

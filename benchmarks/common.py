@@ -1,7 +1,9 @@
 """Shared helpers for the benchmark scripts (run as `python benchmarks/<script>.py`)."""
 from __future__ import annotations
 
+import argparse
 import atexit
+import copy
 import os
 import shutil
 import sys
@@ -13,6 +15,20 @@ import torch
 
 from specdec import cpu_info
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
+
+
+class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """A script's ``--help``: its description as written, and each option's default after its help (an option
+    without help gets the default alone); a flag, or an option without a default, shows none."""
+
+    def _format_action(self, action):
+        shown = not (action.default is None or action.default is False or action.default in ("", argparse.SUPPRESS)
+                     or action.default == [])  # 0 is shown: 0 == False, but not False
+        if shown and action.option_strings and action.help is not argparse.SUPPRESS \
+                and "%(default)" not in (action.help or ""):
+            action = copy.copy(action)
+            action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
+        return super()._format_action(action)
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

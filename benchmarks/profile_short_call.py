@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    HelpWithDefaults,
     add_guard_memory,
     add_overwrite,
     chat_ids,
@@ -151,7 +152,7 @@ def drafter_class(name: str) -> type:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--drafter", default="self-draft")
     ap.add_argument("--category", default="chat", help="a category of the acceptance suite, or held-out")
     ap.add_argument("--prompts", type=int, default=6)

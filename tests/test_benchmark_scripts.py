@@ -2,6 +2,7 @@
 warm-ups outside the timed calls, identity against plain decoding's tokens, what the result files say."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import inspect
 import json
@@ -377,6 +378,26 @@ def test_a_ratio_line_gives_the_rows_tokens_per_second_over_the_baselines():
     """100 tokens in 5 s against the baseline's 100 in 10 s: 20 over 10 tok/s, ratio 2.00x."""
     common = _script("common")
     assert common.ratio_line("ngram", 100, 10.0, 100, 5.0).endswith("ratio  2.00x")
+
+
+def test_a_benchmarks_help_gives_each_options_default(monkeypatch, capsys):
+    """``--help`` of bench_plain_cpu.py (and most others) gave no default: ``--max-new-tokens MAX_NEW_TOKENS`` alone,
+    so a user could not tell what a bare run measures. A flag, or an option without a default, shows none."""
+    module = _script("bench_plain_cpu")
+    with pytest.raises(SystemExit):
+        _run(module, ["--help"], monkeypatch)
+    options = " ".join(capsys.readouterr().out.split("options:")[1].split())
+    assert "--prompts PROMPTS prompts per category (default: 6)" in options
+    assert "--max-new-tokens MAX_NEW_TOKENS default: 64" in options
+    ap = argparse.ArgumentParser(formatter_class=sys.modules["common"].HelpWithDefaults)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--json", help="also write it here")
+    ap.add_argument("--always", action="store_true", help="no guard")
+    text = " ".join(ap.format_help().split())
+    assert "0 = greedy (default: 0.0)" in text  # 0 == False, but shown
+    assert "also write it here (default" not in text and "no guard (default" not in text
+    for name in INTERRUPTIBLE:  # every measuring script's parser shows them
+        assert "formatter_class=HelpWithDefaults" in (BENCHMARKS / f"{name}.py").read_text(), name
 
 
 def test_every_benchmark_writes_its_result_files_whole():
