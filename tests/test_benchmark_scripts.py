@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import inspect
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -32,7 +33,12 @@ def _script(name: str):
 
 
 @pytest.fixture(autouse=True)
-def _forget_bare_modules():
+def _forget_bare_modules(monkeypatch):
+    # what scripts set for their process (count_launches: the Triton interpreter and backend) kept to the test
+    for key in ("TRITON_INTERPRET", "SPECDEC_ATTENTION"):
+        monkeypatch.setitem(os.environ, key, os.environ.get(key, ""))  # put back (or removed) after the test
+        if not os.environ[key]:
+            monkeypatch.delitem(os.environ, key)
     yield
     torch.set_grad_enabled(True)  # the mains switch it off
     for name in [n for n in sys.modules if n.endswith("_scripts_under_test")] + list(BARE):
@@ -200,7 +206,7 @@ def test_a_short_call_profile_refuses_what_it_cannot_run_before_a_model_loads(ar
     ("count_launches", ["--eagle", ""]),
 ])
 def test_a_model_that_is_not_there_is_a_one_line_error(name, argv, tmp_path, monkeypatch, capsys):
-    # count_launches turns the CPU's row policy off for its process: kept to this test
+    # count_launches turns the CPU's row policy off and the Triton backend on for its process: kept to this test
     monkeypatch.setattr(engine_setup, "ensure_row_policy", engine_setup.ensure_row_policy)
     monkeypatch.setattr(row_policy, "uninstall", lambda: None)
     module = _script(name)
