@@ -25,7 +25,7 @@ class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
         shown = not (action.default is None or action.default is False or action.default in ("", argparse.SUPPRESS)
                      or action.default == [])  # 0 is shown: 0 == False, but not False
         if shown and action.option_strings and action.help is not argparse.SUPPRESS \
-                and "%(default)" not in (action.help or ""):
+                and not any(s in (action.help or "") for s in ("%(default)", "(default")):
             action = copy.copy(action)
             action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
         return super()._format_action(action)

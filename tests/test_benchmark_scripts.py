@@ -399,8 +399,10 @@ def test_a_benchmarks_help_gives_each_options_default(monkeypatch, capsys):
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--json", help="also write it here")
     ap.add_argument("--always", action="store_true", help="no guard")
+    ap.add_argument("--speculation", default="auto", help="auto: the guard (default); always: none")
     text = " ".join(ap.format_help().split())
     assert "0 = greedy (default: 0.0)" in text  # 0 == False, but shown
+    assert "always: none (default" not in text  # a help that names its default already
     assert "also write it here (default" not in text and "no guard (default" not in text
     for name in INTERRUPTIBLE:  # every measuring script's parser shows them
         assert "formatter_class=HelpWithDefaults" in (BENCHMARKS / f"{name}.py").read_text(), name
