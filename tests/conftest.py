@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from specdec.kernels.testing import kernel_device
 
 from specdec.atomic_write import write_json
-from specdec.kernels.testing import kernel_device
 from specdec.testing import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 
 # without a GPU the kernel tests run in the Triton interpreter, which must be on before triton is first imported: a
