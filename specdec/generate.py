@@ -249,9 +249,12 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
     check_vocabulary("input_ids", inputs.prompts, shape.vocab_size)
     check_vocabulary("stop", [list(s) for s in config.stop_sequences], shape.vocab_size)
     longest = max(len(p) for p in inputs.prompts)
-    how = (f" (max_length from {resolved.length_from})" if resolved.length_from else
-           "" if "max_new_tokens" in config.fields_set else ", specdec's default: none was set")
-    shape.check_fits(longest, config.max_new_tokens, how)  # names the sliding window where that is the limit
+    if resolved.length_from:  # max_length set the count: that is what the caller lowers
+        how, lower = f", set by max_length from {resolved.length_from}", "max_length (or pass max_new_tokens)"
+    else:
+        how, lower = "" if "max_new_tokens" in config.fields_set else ", specdec's default: none was set", \
+            "max_new_tokens"
+    shape.check_fits(longest, config.max_new_tokens, how, lower)  # names the sliding window where that is the limit
     stop = StopCriteria(config.max_new_tokens, frozenset(eos), config.stop_sequences, config.stop_strings,
                         loaded.tokenizer)
     pad_token_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)  # as transformers

@@ -72,8 +72,9 @@ def test_the_message_names_the_window(mistral):
                                          rf"sliding window of {WINDOW} tokens plus the last new token "
                                          rf"\({WINDOW + 1} in all\) \(config\.sliding_window\)"):
         shape.check_fits(7, 11)
-    with pytest.raises(InputError, match=r"max_new_tokens \(11 \(max_length from kwargs\)\) exceeds .*sliding"):
-        shape.check_fits(7, 11, " (max_length from kwargs)")
+    with pytest.raises(InputError, match=r"max_new_tokens \(11, set by max_length from kwargs\) exceeds .*sliding.*"
+                                         r"lower max_length$"):
+        shape.check_fits(7, 11, ", set by max_length from kwargs", "max_length")
     short = LlamaRunner(build_tiny_model("mistral", vocab_size=64, max_position_embeddings=12,
                                          sliding_window=WINDOW)).shape
     assert short.max_positions == 12  # a context shorter than the window is the limit, and named as such

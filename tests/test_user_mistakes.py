@@ -180,6 +180,19 @@ def test_max_new_tokens_none_leaves_the_length_to_max_length():
     assert len(specdec.generate(model, [[1, 2]], max_new_tokens=None)[0]) == 2 + 128  # specdec's default
 
 
+def test_max_length_past_the_context_advises_lowering_max_length():
+    """The count max_length set is said as its doing, and max_length is what to lower: the message read "max_new_tokens
+    (597 (max_length from keyword argument))" and advised lowering max_new_tokens, which the caller never passed."""
+    model = build_tiny_model()
+    with pytest.raises(InputError, match=r"max_new_tokens \(597, set by max_length from keyword argument\) exceeds "
+                                         r"the model's context of 512 tokens; shorten the prompt or lower max_length "
+                                         r"\(or pass max_new_tokens\)$"):
+        specdec.generate(model, [[1, 2, 3]], max_length=600)
+    with pytest.raises(InputError, match=r"max_new_tokens \(600\) exceeds .*; shorten the prompt or lower "
+                                         r"max_new_tokens$"):
+        specdec.generate(model, [[1, 2, 3]], max_new_tokens=600)
+
+
 def test_sampling_options_with_greedy_decoding_warn(caplog):
     model = build_tiny_model()
     with caplog.at_level(logging.WARNING, logger="specdec.generate"):

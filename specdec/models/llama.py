@@ -74,11 +74,13 @@ class ModelShape:
                     f"({self.max_positions} in all)")
         return f"context of {self.max_positions} tokens"
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int, note: str = "") -> None:
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, note: str = "", lower: str = "max_new_tokens"
+                   ) -> None:
         """An InputError unless a prompt of ``prompt_tokens`` + ``max_new_tokens`` new tokens fits; for a
         sliding-window model the message names the window (full attention equals windowed attention only while
         every token sees the whole sequence, so specdec refuses to go past it). ``note`` follows the count of new
-        tokens in the message, e.g. " (max_length from generation_config)"."""
+        tokens in the message, e.g. ", set by max_length from generation_config"; ``lower`` is what the advice
+        says to lower (max_length where that set the count)."""
         if prompt_tokens + max_new_tokens <= self.max_positions:
             return
         asked = f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}{note})"
@@ -86,12 +88,11 @@ class ModelShape:
             raise InputError(
                 f"{asked} exceeds the model's {self.limit_words} (config.sliding_window): specdec computes full "
                 f"attention, which equals the model's windowed attention only while every token it attends from "
-                f"(all but the last new one) sees the whole sequence; shorten the prompt or lower max_new_tokens"
+                f"(all but the last new one) sees the whole sequence; shorten the prompt or lower {lower}"
             )
         why = (": past it transformers rescales the model's dynamic RoPE, which specdec does not"
                if self.rope_grows else "")
-        raise InputError(f"{asked} exceeds the model's {self.limit_words}{why}; shorten the prompt or lower "
-                         "max_new_tokens")
+        raise InputError(f"{asked} exceeds the model's {self.limit_words}{why}; shorten the prompt or lower {lower}")
 
 
 @dataclass(frozen=True)
