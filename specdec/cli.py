@@ -272,12 +272,45 @@ def flagged_sampling(make, *args, **kwargs):
 
 
 # generate()'s arguments that generate's flags of the same names set: a refusal naming one names the flag
-ARGUMENT_FLAGS = re.compile(r"(?<![\w/.-])(max_new_tokens|num_blocks|block_size)(?![\w/-])")
+ARGUMENT_FLAGS = re.compile(r"(?<![\w/.-])(max_new_tokens|num_blocks|block_size)(?:(=)|(?![\w/-]))")
+
+
+# what generate()'s messages tell a Python caller, as the command line meets it
+API_PHRASES = {"the call may raise CacheFullError (with the tokens generated so far in its new_tokens)":
+               "the run may stop with the KV cache full (the text generated until then is kept)"}
 
 
 def said_as_flags(message: str) -> str:
-    """``message`` with generate()'s argument names as the command line spells them (``--max-new-tokens``)."""
-    return ARGUMENT_FLAGS.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+    """``message`` with generate()'s argument names as the command line spells them (``num_blocks=2``:
+    ``--num-blocks 2``), and its words for a Python caller (API_PHRASES) as the command line meets them."""
+    for api, cli in API_PHRASES.items():
+        message = message.replace(api, cli)
+    return ARGUMENT_FLAGS.sub(lambda m: "--" + m.group(1).replace("_", "-") + " " * bool(m.group(2)), message)
+
+
+class _SaidAsFlags(logging.Filter):
+    """A handler's filter: the text of a library record said as the command line spells it (:func:`said_as_flags`);
+    applying it twice changes nothing (``--num-blocks`` is not matched again)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (said := said_as_flags(text := record.getMessage())) != text:
+            record.msg, record.args = said, None
+        return True
+
+
+@contextlib.contextmanager
+def warnings_as_flags():
+    """While generate() runs for the CLI, its warnings name the flags (``--num-blocks 2``), as its errors do: a
+    warning read ``num_blocks=2 ... max_new_tokens=40`` just above the error line naming ``--num-blocks 2``."""
+    said = _SaidAsFlags()
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(said)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(said)
 
 
 PATH_OPTIONS = ("path", "model", "tokenizer")  # options naming a file, directory or alias: the text, never a number
@@ -484,7 +517,7 @@ def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: li
     from specdec.kv_cache import CacheFullError
 
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings_as_flags():
             out = generate(
                 loaded, [ids], drafter=drafter, **settings, seed=args.seed, streamer=stream,
                 **({} if stop is None else {"stop": stop or None}),  # None (--no-stop) clears the model's stop_strings

@@ -257,7 +257,7 @@ def gpt2_ckpt(tmp_path_factory):
         (["hi", "--model", "{ckpt}", "--max-new-tokens", "600"],
          r"\+ --max-new-tokens \(600\) exceeds the model's context .*; shorten the prompt or lower --max-new-tokens$"),
         (["hi", "--model", "{ckpt}", "--num-blocks", str(10**12)],
-         r"the KV cache of --num-blocks=.*pass --num-blocks <="),
+         r"the KV cache of --num-blocks 1000000000000 .*pass --num-blocks <="),
         (["--prompt-file", "/no/such/prompt.txt", "--model", "{ckpt}"], "--prompt-file '/no/such/prompt.txt': "
                                                                           "cannot read it \\(No such file"),
         (["hi", "--model", "{ckpt}", "--drafter", "eagle"], "on the command line --drafter-option path=DIR"),

@@ -8,6 +8,7 @@ import errno
 import importlib
 import io
 import json
+import logging
 import os
 import signal
 import struct
@@ -569,6 +570,17 @@ def test_a_kv_cache_full_mid_generation_speaks_of_the_cli_options(ckpt, capsys):
     assert rc == 2 and out.strip() and out.endswith("\n"), (out, err)
     assert line.startswith("specdec generate: error: the KV cache ran out of blocks after ") and "kept above" in line
     assert "--num-blocks 14 is too few" in line and "new_tokens" not in line and "num_blocks" not in line, line
+
+
+def test_a_kv_cache_warning_names_the_cli_options(ckpt, capsys, caplog):
+    """The library's warning that --num-blocks may run short, just above the error line, named generate()'s
+    arguments (num_blocks=14, max_new_tokens=40, CacheFullError's new_tokens): it names the flags, as the error does."""
+    with caplog.at_level(logging.WARNING, logger="specdec.engine_setup"):
+        rc, _, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "40", "--block-size", "4",
+                       "--num-blocks", "14")
+    warning = next(r.getMessage() for r in caplog.records if r.name == "specdec.engine_setup")
+    assert rc == 2 and "--num-blocks 14 is below the " in warning and "--max-new-tokens 40 can need" in warning
+    assert "the run may stop with the KV cache full" in warning and "_" not in warning, warning
 
 
 @pytest.mark.parametrize("command, option", [
