@@ -79,9 +79,11 @@ def prompt_name(conversations: list[Conversation], i: int, turn: int = 1) -> str
 
 
 def check_prompts_fit(loaded: Any, conversations: list[Conversation], ids: dict[int, list[int]], turn: int,
-                      max_new_tokens: int) -> None:
+                      max_new_tokens: int, answered: dict[int, int] | None = None) -> None:
     """Refuse, naming it, a prompt (``ids``: conversation index -> turn ``turn``'s prompt ids) whose answer of
-    ``max_new_tokens`` would run past the model's context: before its cells are measured, not inside one."""
+    ``max_new_tokens`` would run past the model's context: before its cells are measured, not inside one.
+    ``answered``: conversation index -> the new tokens of the model's answers to its earlier turns, which the prompt
+    holds; a lower --max-new-tokens shortens them too, so the value advised leaves room for every answer."""
     shape = loaded.runner.shape
     limit = shape.max_positions  # the context, or the sliding window + 1 where smaller
     for i, prompt in ids.items():
@@ -90,7 +92,11 @@ def check_prompts_fit(loaded: Any, conversations: list[Conversation], ids: dict[
         k = _built_in_index(conversations, i)
         leave = ("leave it out of the file" if k is None else f"--prompts {k - 1} leaves it out" if k > 1 else
                  f"leave {conversations[i].category} out of --categories")
-        lower = f"lower --max-new-tokens to {limit - len(prompt)} or less, or " if len(prompt) < limit else ""
+        earlier = (answered or {}).get(i, 0)
+        # turn - 1 earlier answers and this one, each at most the advised count
+        fits = (limit - len(prompt) + earlier) // (turn if earlier else 1)
+        also = " (the answers of its earlier turns shorten with it)" if earlier else ""
+        lower = f"lower --max-new-tokens to {fits} or less{also}, or " if fits >= 1 else ""
         raise InputError(f"{prompt_name(conversations, i, turn)}: its {len(prompt)} tokens + --max-new-tokens "
                          f"{max_new_tokens} exceed the model's {shape.limit_words}; {lower}{leave}")
 
@@ -130,6 +136,7 @@ def run_conversations(loaded: Any, conversations: list[Conversation], codec: Cha
     if resume:  # every turn's finished cells, before the first turn is measured again
         check_resume(loaded, config, out, list(names), identity)
     history: list[Messages] = [system_messages(c) for c in conversations]
+    answered = dict.fromkeys(range(len(conversations)), 0)  # the new tokens of each one's answers so far
     sampling = config.generate_kwargs
     cells: dict[tuple[str, str], Cell] = {}
     shown: list[dict] = [{"category": c.category, "where": c.where, "turns": []} for c in conversations]
@@ -142,7 +149,7 @@ def run_conversations(loaded: Any, conversations: list[Conversation], codec: Cha
             ids[i] = codec.encode(history[i])
             prompts.setdefault(turn_cell(conversations[i].category, t + 1, conversations[i].category in multi),
                                []).append(ids[i])
-        check_prompts_fit(loaded, conversations, ids, t + 1, config.max_new_tokens)  # before the turn's cells
+        check_prompts_fit(loaded, conversations, ids, t + 1, config.max_new_tokens, answered)  # before its cells
         cells.update(run_suite(loaded, prompts, config, out, resume, on_progress, prompts_identity=identity))
         answering = [i for i in active if t + 1 < len(conversations[i].turns)]
         if answering and on_turn:
@@ -153,6 +160,7 @@ def run_conversations(loaded: Any, conversations: list[Conversation], codec: Cha
                 new = generate(loaded, [ids[i]], max_new_tokens=config.max_new_tokens, return_dict=True,
                                **sampling).new_tokens[0]
                 answer = codec.decode(list(new))
+                answered[i] += len(new)
                 history[i].append({"role": "assistant", "content": answer})
             shown[i]["turns"].append({"prompt_ids": ids[i], "answer": answer})
     try:

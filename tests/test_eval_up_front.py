@@ -337,6 +337,25 @@ def test_a_built_in_prompt_past_the_context_says_how_to_leave_it_out(ckpt):
         check_prompts_fit(loaded, conversations, {0: [1] * 512}, 1, 8)
 
 
+def test_a_later_turn_past_the_context_advises_a_count_its_earlier_answers_shrink_with(ckpt):
+    """Turn 2's prompt holds the answer to turn 1, which a lower --max-new-tokens shortens too: the advice was
+    512 - 490 = 22, where 340 tokens besides a 150-token answer leave room for two answers of 86."""
+    from specdec.eval.conversations import check_prompts_fit
+    from specdec.eval.prompt_files import Conversation
+
+    from specdec.errors import InputError
+    from specdec.models.loader import load_model
+
+    loaded = load_model(ckpt)
+    conversations = [Conversation("writing", ("a", "b"), where="chat.jsonl:1")]
+    with pytest.raises(InputError, match=r"^chat.jsonl:1 turn 2: its 490 tokens \+ --max-new-tokens 150 exceed the "
+                                         r"model's context of 512 tokens; lower --max-new-tokens to 86 or less \(the "
+                                         r"answers of its earlier turns shorten with it\), or leave it out of the "
+                                         r"file$"):
+        check_prompts_fit(loaded, conversations, {0: [1] * 490}, 2, 150, {0: 150})
+    check_prompts_fit(loaded, conversations, {0: [1] * (340 + 86)}, 2, 86, {0: 86})  # as advised: it fits
+
+
 def test_the_resume_advice_for_other_settings_works_as_said(ckpt, tmp_path, capsys):
     """It said "run without --resume to measure every cell anew", which is refused: the run holds an earlier one."""
     argv = ["eval", "acceptance", "--model", ckpt, "--categories", "chat", "--prompts", "1", *RUN,
