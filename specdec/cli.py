@@ -271,13 +271,29 @@ def flagged_sampling(make, *args, **kwargs):
         raise CLIError(f"--{name.replace('_', '-')} {rest}") from err
 
 
-# generate()'s arguments that generate's flags of the same names set: a refusal naming one names the flag
-ARGUMENT_FLAGS = re.compile(r"(?<![\w/.-])(max_new_tokens|num_blocks|block_size)(?:(=)|(?![\w/-]))")
+# generate()'s arguments that generate's flags of the same names set: a message naming one names the flag; those
+# that are also words (speculation, sampler) only where a value follows them (speculation='always')
+NAMED_FLAGS = ("max_new_tokens", "num_blocks", "block_size", "top_k", "top_p", *WARPER_FLAGS)
+VALUED_FLAGS = ("temperature", "sampler", "speculation", "seed")
+ARGUMENT_FLAGS = re.compile(rf"(?<![\w/.-])(?:({'|'.join(NAMED_FLAGS)})(?:=|(?![\w/=-]|\.\w))|"
+                            rf"({'|'.join(VALUED_FLAGS)})=)('([^'\s]*)')?")
 
 
 # what generate()'s messages tell a Python caller, as the command line meets it
 API_PHRASES = {"the call may raise CacheFullError (with the tokens generated so far in its new_tokens)":
-               "the run may stop with the KV cache full (the text generated until then is kept)"}
+               "the run may stop with the KV cache full (the text generated until then is kept)",
+               "do_sample is False (greedy decoding)": "without --do-sample (greedy decoding)",
+               "do_sample=True": "--do-sample", "do_sample=False": "--no-do-sample", "drafter=...": "--drafter NAME"}
+
+
+def _said_as_flag(m: re.Match) -> str:
+    """One match of ARGUMENT_FLAGS as the flag: ``num_blocks=2`` -> ``--num-blocks 2``, ``sampler='coupled'`` ->
+    ``--sampler coupled``, ``max_new_tokens`` -> ``--max-new-tokens``."""
+    name = m.group(1) or m.group(2)
+    flag = "--" + name.replace("_", "-")
+    if m.group(3) is not None:  # a quoted value: as typed
+        return f"{flag} {m.group(4)}"
+    return flag + (" " if m.group(0).endswith("=") else "")
 
 
 def said_as_flags(message: str) -> str:
@@ -285,7 +301,7 @@ def said_as_flags(message: str) -> str:
     ``--num-blocks 2``), and its words for a Python caller (API_PHRASES) as the command line meets them."""
     for api, cli in API_PHRASES.items():
         message = message.replace(api, cli)
-    return ARGUMENT_FLAGS.sub(lambda m: "--" + m.group(1).replace("_", "-") + " " * bool(m.group(2)), message)
+    return ARGUMENT_FLAGS.sub(_said_as_flag, message)
 
 
 class _SaidAsFlags(logging.Filter):

@@ -278,7 +278,7 @@ def _warn_unused_sampling(config: GenerationConfig, given: GenerationConfig) -> 
     unused = _set_off_neutral(given, _SAMPLING_ONLY)
     if unused:
         logger.warning("do_sample is False (greedy decoding), so these sampling options are ignored: %s; pass "
-                       "do_sample=True (the CLI's --do-sample) to sample", ", ".join(unused))
+                       "do_sample=True to sample", ", ".join(unused))
 
 
 # speculation options and their neutral values: given without a drafter they change nothing
@@ -289,8 +289,8 @@ def _warn_unused_speculation(drafter: Drafter | None, given: GenerationConfig) -
     """Warn when the caller set speculation options and no drafter (drafter_options without one are refused)."""
     unused = _set_off_neutral(given, _SPECULATION_ONLY)
     if drafter is None and unused:
-        logger.warning("no drafter, so these speculation options are ignored: %s; pass drafter=... (the CLI's "
-                       "--drafter) to speculate", ", ".join(unused))
+        logger.warning("no drafter, so these speculation options are ignored: %s; pass drafter=... to "
+                       "speculate", ", ".join(unused))
 
 
 def _warn_ignored_scores(given: GenerationConfig, return_dict: bool) -> None:

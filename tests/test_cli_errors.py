@@ -583,6 +583,19 @@ def test_a_kv_cache_warning_names_the_cli_options(ckpt, capsys, caplog):
     assert "the run may stop with the KV cache full" in warning and "_" not in warning, warning
 
 
+def test_warnings_of_ignored_flags_name_the_flags(ckpt, capsys, caplog):
+    """Sampling and speculation flags that change nothing were warned about as generate()'s arguments ("do_sample is
+    False ... top_k=5, sampler='coupled'; pass do_sample=True (the CLI's --do-sample)"): they are said as typed."""
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        rc, out, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "2", "--top-k", "5", "--sampler",
+                         "coupled", "--speculation", "always")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "specdec.generate"]
+    assert rc == 0 and out and warnings == [
+        "without --do-sample (greedy decoding), so these sampling options are ignored: --top-k 5, --sampler coupled; "
+        "pass --do-sample to sample",
+        "no drafter, so these speculation options are ignored: --speculation always; pass --drafter NAME to speculate"]
+
+
 @pytest.mark.parametrize("command, option", [
     (["train-medusa", "--num-prompts", "2"], "--output-dir"),
     (["train-eagle", "--num-prompts", "2"], "--output-dir"),
