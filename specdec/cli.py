@@ -30,6 +30,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Collection
 
 from specdec import __version__
 from specdec.errors import SpecdecError
@@ -271,54 +272,69 @@ def flagged_sampling(make, *args, **kwargs):
         raise CLIError(f"--{name.replace('_', '-')} {rest}") from err
 
 
-# generate()'s arguments that generate's flags of the same names set: a message naming one names the flag; those
-# that are also words (speculation, sampler) only where a value follows them (speculation='always')
+# generate()'s arguments that the flags of the same names set (--max-new-tokens): a message naming one names the flag
+# where the command has it; those that are also words (speculation, sampler) only where a value follows them
 NAMED_FLAGS = ("max_new_tokens", "num_blocks", "block_size", "top_k", "top_p", *WARPER_FLAGS)
 VALUED_FLAGS = ("temperature", "sampler", "speculation", "seed")
 ARGUMENT_FLAGS = re.compile(rf"(?<![\w/.-])(?:({'|'.join(NAMED_FLAGS)})(?:=|(?![\w/=-]|\.\w))|"
                             rf"({'|'.join(VALUED_FLAGS)})=)('([^'\s]*)')?")
 
 
-# what generate()'s messages tell a Python caller, as the command line meets it
+# what generate()'s messages tell a Python caller -> (the flag it needs, or None; as the command line meets it)
 API_PHRASES = {"the call may raise CacheFullError (with the tokens generated so far in its new_tokens)":
-               "the run may stop with the KV cache full (the text generated until then is kept)",
-               "do_sample is False (greedy decoding)": "without --do-sample (greedy decoding)",
-               "do_sample=True": "--do-sample", "do_sample=False": "--no-do-sample", "drafter=...": "--drafter NAME"}
+               (None, "the run may stop with the KV cache full (the text generated until then is kept)"),
+               "do_sample is False (greedy decoding)": ("--do-sample", "without --do-sample (greedy decoding)"),
+               "do_sample=True": ("--do-sample", "--do-sample"), "do_sample=False": ("--do-sample", "--no-do-sample"),
+               "drafter=...": ("--drafter", "--drafter NAME")}
 
 
-def _said_as_flag(m: re.Match) -> str:
-    """One match of ARGUMENT_FLAGS as the flag: ``num_blocks=2`` -> ``--num-blocks 2``, ``sampler='coupled'`` ->
-    ``--sampler coupled``, ``max_new_tokens`` -> ``--max-new-tokens``."""
-    name = m.group(1) or m.group(2)
-    flag = "--" + name.replace("_", "-")
-    if m.group(3) is not None:  # a quoted value: as typed
-        return f"{flag} {m.group(4)}"
-    return flag + (" " if m.group(0).endswith("=") else "")
-
-
-def said_as_flags(message: str) -> str:
+def said_as_flags(message: str, flags: Collection[str] | None = None, options: Collection[str] = ()) -> str:
     """``message`` with generate()'s argument names as the command line spells them (``num_blocks=2``:
-    ``--num-blocks 2``), and its words for a Python caller (API_PHRASES) as the command line meets them."""
-    for api, cli in API_PHRASES.items():
-        message = message.replace(api, cli)
-    return ARGUMENT_FLAGS.sub(_said_as_flag, message)
+    ``--num-blocks 2``, ``sampler='coupled'``: ``--sampler coupled``), and its words for a Python caller
+    (API_PHRASES) as the command line meets them; only those of ``flags``, the command's options (None: every one,
+    as ``specdec generate`` has them), and none of ``options``, the --drafter-option keys given (an EAGLE head's
+    ``top_k=10`` is the KEY the user typed, not --top-k)."""
+    def said(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        flag = "--" + name.replace("_", "-")
+        if flags is not None and flag not in flags or name in options:
+            return m.group(0)
+        if m.group(3) is not None:  # a quoted value: as typed
+            return f"{flag} {m.group(4)}"
+        return flag + (" " if m.group(0).endswith("=") else "")
+
+    for api, (flag, cli) in API_PHRASES.items():
+        if flag is None or flags is None or flag in flags:
+            message = message.replace(api, cli)
+    return ARGUMENT_FLAGS.sub(said, message)
+
+
+def drafter_option_keys(args) -> set[str]:
+    """The keys of the --drafter-option values given, as Python names (``medusa.top-k=2``: top_k)."""
+    return {pair.partition("=")[0].rpartition(".")[2].replace("-", "_") for pair in getattr(args, "drafter_option",
+                                                                                          None) or ()}
 
 
 class _SaidAsFlags(logging.Filter):
-    """A handler's filter: the text of a library record said as the command line spells it (:func:`said_as_flags`);
-    applying it twice changes nothing (``--num-blocks`` is not matched again)."""
+    """A handler's filter: the text of a library record said as the command line spells it (:func:`said_as_flags`
+    with ``flags``); applying it twice changes nothing (``--num-blocks`` is not matched again)."""
+
+    def __init__(self, flags: Collection[str], options: Collection[str]) -> None:
+        super().__init__()
+        self.flags, self.options = flags, options
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if (said := said_as_flags(text := record.getMessage())) != text:
+        if (said := said_as_flags(text := record.getMessage(), self.flags, self.options)) != text:
             record.msg, record.args = said, None
         return True
 
 
 @contextlib.contextmanager
-def warnings_as_flags():
-    """While generate() runs for the CLI, its warnings name the flags (``--num-blocks 2``), as its errors do: a
-    warning read ``num_blocks=2 ... max_new_tokens=40`` just above the error line naming ``--num-blocks 2``."""
-    said = _SaidAsFlags()
+def warnings_as_flags(flags: Collection[str], options: Collection[str] = ()):
+    """While a command runs, the library's warnings name its flags (``flags``: its options; ``options``: the
+    --drafter-option keys given, left alone), as its errors do: a warning read ``num_blocks=2 ...
+    max_new_tokens=40`` just above the error line naming ``--num-blocks 2``."""
+    said = _SaidAsFlags(flags, options)
     handlers = list(logging.getLogger().handlers)
     for handler in handlers:
         handler.addFilter(said)
@@ -533,7 +549,7 @@ def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: li
     from specdec.kv_cache import CacheFullError
 
     try:
-        with torch.no_grad(), warnings_as_flags():
+        with torch.no_grad():
             out = generate(
                 loaded, [ids], drafter=drafter, **settings, seed=args.seed, streamer=stream,
                 **({} if stop is None else {"stop": stop or None}),  # None (--no-stop) clears the model's stop_strings
@@ -553,7 +569,8 @@ def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: li
                     f"the KV cache ran out of blocks after {sum(map(len, err.new_tokens))} new tokens{kept}")
             raise CLIError(f"{when}: --num-blocks {args.num_blocks} is too few for this prompt and --max-new-tokens; "
                            "pass a larger --num-blocks, or leave it out to size the cache to fit") from err
-        if isinstance(err, SpecdecError) and (said := said_as_flags(str(err))) != str(err):
+        if isinstance(err, SpecdecError) and (said := said_as_flags(str(err), None, drafter_option_keys(args))) \
+                != str(err):
             raise CLIError(said) from err  # "lower max_new_tokens": the flag is --max-new-tokens
         raise
     stream.finish()
@@ -657,7 +674,8 @@ def _main(argv: list[str]) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser: "specdec generate: error: unrecognized arguments: ..."
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
-    name = _command_parser(parser, args).prog  # "specdec eval replay run": the one the user typed
+    command = _command_parser(parser, args)
+    name = command.prog  # "specdec eval replay run": the one the user typed
     if sys.stdout is None:  # `specdec ... >&-`: Python sets sys.stdout to None
         print(f"{name}: error: stdout is closed, so the output would be lost; redirect it to a "
               "file or to /dev/null instead", file=sys.stderr)
@@ -668,7 +686,8 @@ def _main(argv: list[str]) -> int:
     stdout = sys.stdout
     sys.stdout = _NamedStdout(stdout)
     try:
-        with _transformers_bars(shown=args.verbose):
+        with _transformers_bars(shown=args.verbose), \
+                warnings_as_flags(command._option_string_actions, drafter_option_keys(args)):
             return _run_command(args, name)
     finally:
         if isinstance(sys.stdout, _NamedStdout):

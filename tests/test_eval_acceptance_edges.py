@@ -6,6 +6,7 @@ are swapped in whole."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,29 @@ def test_the_vs_hf_column_shows_the_speedup_over_transformers_not_over_plain():
     """2x plain's tokens/s but 0.8x transformers' generate(): the row reads "| 2.00x | yes | 0.80x |"."""
     line = next(x for x in markdown([_report_row(speedup_vs_hf=0.8)], {}).splitlines() if x.startswith("| ngram"))
     assert [c.strip() for c in line.split("|")[4:7]] == ["2.00x", "yes", "0.80x"], line
+
+
+def test_a_library_warning_during_the_run_names_the_commands_flags(tmp_path, capsys, caplog):
+    """A drafter the cost model says cannot pay warned "(speculation='always' verifies its drafts anyway)": on the
+    command line that is --speculation always."""
+    target, draft = save_tiny_checkpoint(tmp_path / "target"), save_tiny_checkpoint(tmp_path / "draft", seed=1)
+    with caplog.at_level(logging.WARNING, logger="specdec.speculation_policy"):
+        code, _ = run_main(["eval", "acceptance", "--model", target, "--out", str(tmp_path / "out"), "--prompts", "1",
+                            "--categories", "chat", "--no-hf-baseline", "--no-plots", "--calibration-repeats", "1",
+                            "--drafters", "draft-model", "--drafter-option", f"model={draft}", "--max-new-tokens",
+                            "2", "--speculation", "auto"], capsys)
+    warning = next(r.getMessage() for r in caplog.records if r.name == "specdec.speculation_policy")
+    assert code == 0 and "(--speculation always verifies its drafts anyway)" in warning, warning
+
+
+def test_said_as_flags_names_only_the_commands_flags():
+    """eval lossless has --temperature but no --max-new-tokens or --do-sample: those stay generate()'s names."""
+    from specdec.cli import said_as_flags
+
+    flags = ("--temperature", "--drafter")
+    assert said_as_flags("temperature=0.5 and max_new_tokens=3; pass do_sample=True or drafter=...", flags) == (
+        "--temperature 0.5 and max_new_tokens=3; pass do_sample=True or --drafter NAME")
+    # a --drafter-option KEY of the same name is what the user typed: draft-model's seed=3 is not --seed 3
+    assert said_as_flags("seed=3 and top_k=4 past max_nodes", None, {"seed", "top_k"}) == (
+        "seed=3 and top_k=4 past max_nodes")
+
