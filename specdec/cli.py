@@ -280,6 +280,11 @@ ARGUMENT_FLAGS = re.compile(rf"(?<![\w/.-])(?:({'|'.join(NAMED_FLAGS)})(?:=|(?![
                             rf"({'|'.join(VALUED_FLAGS)})=)('([^'\s]*)')?")
 
 
+# the flags whose arguments a refusal from inside generate() names as the user's: the sampling flags are checked
+# before it runs (flagged_sampling), so a later one naming top_k or seed is a drafter's, about its own option
+SIZE_FLAGS = ("--max-new-tokens", "--num-blocks", "--block-size")
+
+
 # what generate()'s messages tell a Python caller -> (the flag it needs, or None; as the command line meets it)
 API_PHRASES = {"the call may raise CacheFullError (with the tokens generated so far in its new_tokens)":
                (None, "the run may stop with the KV cache full (the text generated until then is kept)"),
@@ -569,8 +574,7 @@ def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: li
                     f"the KV cache ran out of blocks after {sum(map(len, err.new_tokens))} new tokens{kept}")
             raise CLIError(f"{when}: --num-blocks {args.num_blocks} is too few for this prompt and --max-new-tokens; "
                            "pass a larger --num-blocks, or leave it out to size the cache to fit") from err
-        if isinstance(err, SpecdecError) and (said := said_as_flags(str(err), None, drafter_option_keys(args))) \
-                != str(err):
+        if isinstance(err, SpecdecError) and (said := said_as_flags(str(err), SIZE_FLAGS)) != str(err):
             raise CLIError(said) from err  # "lower max_new_tokens": the flag is --max-new-tokens
         raise
     stream.finish()

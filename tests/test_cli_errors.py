@@ -596,6 +596,20 @@ def test_warnings_of_ignored_flags_name_the_flags(ckpt, capsys, caplog):
         "no drafter, so these speculation options are ignored: --speculation always; pass --drafter NAME to speculate"]
 
 
+def test_a_drafters_refusal_inside_generate_keeps_its_options_name(ckpt, capsys, monkeypatch):
+    """A refusal from inside generate() names --max-new-tokens for max_new_tokens, but its top_k is a drafter's
+    option (the sampling flags are checked before): "--top-k" would send the user to the wrong flag."""
+    from specdec.errors import InputError
+
+    def refuse(*args, **kwargs):
+        raise InputError("eagle: top_k=10 exceeds the draft vocabulary of 8 tokens; lower max_new_tokens")
+
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", refuse)
+    rc, _, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "2")
+    assert (rc, err.strip()) == (2, "specdec generate: error: eagle: top_k=10 exceeds the draft vocabulary of 8 "
+                                    "tokens; lower --max-new-tokens"), err
+
+
 @pytest.mark.parametrize("command, option", [
     (["train-medusa", "--num-prompts", "2"], "--output-dir"),
     (["train-eagle", "--num-prompts", "2"], "--output-dir"),
