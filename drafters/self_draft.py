@@ -64,8 +64,9 @@ class SelfDraftDrafter(ModelDrafter):
                              "layers, so it needs a target of 2 or more (choose another drafter)")
         if self.num_layers >= total:
             choice = "num_layers=1" if total == 2 else f"a num_layers option from 1 to {total - 1}"  # not "1 to 1"
+            typed = "--drafter-option num_layers=" + ("1" if total == 2 else "N")
             raise InputError(f"self-draft: num_layers={self.num_layers} must be below the target's {total} layers; "
-                             f"give {choice}")
+                             f"give {choice} (on the command line {typed})")
         runner = target.truncated(self.num_layers)
         if self.draft_vocab_spec is not None:
             vocab_size = target.shape.vocab_size

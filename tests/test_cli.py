@@ -260,6 +260,8 @@ def gpt2_ckpt(tmp_path_factory):
          r"the KV cache of --num-blocks 1000000000000 .*pass --num-blocks <="),
         (["--prompt-file", "/no/such/prompt.txt", "--model", "{ckpt}"], "--prompt-file '/no/such/prompt.txt': "
                                                                           "cannot read it \\(No such file"),
+        (["hi", "--model", "{ckpt}", "--drafter", "self-draft"], "give num_layers=1 \\(on the command line "
+                                                                   "--drafter-option num_layers=1\\)$"),
         (["hi", "--model", "{ckpt}", "--drafter", "eagle"], "on the command line --drafter-option path=DIR"),
         (["hi", "--model", "{ckpt}", "--drafter", "medusa"], "on the command line --drafter-option path=DIR"),
         (["hi", "--model", "{ckpt}", "--drafter", "draft-model"], "on the command line --drafter-option model="),

@@ -259,7 +259,8 @@ def test_a_numpy_array_is_read_as_lists_are():
     (dict(drafter="mtp", drafter_options={"path": 5}), InputTypeError, r"mtp: path= must be a checkpoint directory"),
     # a bare ValueError from the engine's build with the drafter's default 4 layers on this 2-layer model
     (dict(drafter="self-draft"), InputError,  # a 2-layer target: one choice, not "from 1 to 1"
-     r"self-draft: num_layers=4 must be below the target's 2 layers; give num_layers=1$"),
+     r"self-draft: num_layers=4 must be below the target's 2 layers; give num_layers=1 \(on the command line "
+     r"--drafter-option num_layers=1\)$"),
 ])
 def test_bad_scalar_argument_is_a_one_line_error(kwargs, error, match):
     _one_line_error(error, match, **kwargs)
