@@ -256,6 +256,8 @@ def gpt2_ckpt(tmp_path_factory):
         (["hi", "--model", "{ckpt}", "--num-blocks", "1"], "KV cache .*: --num-blocks 1 is too few"),
         (["hi", "--model", "{ckpt}", "--max-new-tokens", "600"],
          r"\+ --max-new-tokens \(600\) exceeds the model's context .*; shorten the prompt or lower --max-new-tokens$"),
+        (["the cat sat on the mat. " * 60, "--model", "{ckpt}"],  # no --max-new-tokens would fit: not advised
+         r"exceeds the model's context of 512 tokens; the prompt alone fills it: shorten the prompt$"),
         (["hi", "--model", "{ckpt}", "--num-blocks", str(10**12)],
          r"the KV cache of --num-blocks 1000000000000 .*pass --num-blocks <="),
         (["--prompt-file", "/no/such/prompt.txt", "--model", "{ckpt}"], "--prompt-file '/no/such/prompt.txt': "

@@ -84,15 +84,18 @@ class ModelShape:
         if prompt_tokens + max_new_tokens <= self.max_positions:
             return
         asked = f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}{note})"
+        # a prompt that fills the limit alone leaves no count of new tokens to lower to
+        advice = f"shorten the prompt or lower {lower}" if prompt_tokens < self.max_positions else \
+            "the prompt alone fills it: shorten the prompt"
         if self.window_bound:
             raise InputError(
                 f"{asked} exceeds the model's {self.limit_words} (config.sliding_window): specdec computes full "
                 f"attention, which equals the model's windowed attention only while every token it attends from "
-                f"(all but the last new one) sees the whole sequence; shorten the prompt or lower {lower}"
+                f"(all but the last new one) sees the whole sequence; {advice}"
             )
         why = (": past it transformers rescales the model's dynamic RoPE, which specdec does not"
                if self.rope_grows else "")
-        raise InputError(f"{asked} exceeds the model's {self.limit_words}{why}; shorten the prompt or lower {lower}")
+        raise InputError(f"{asked} exceeds the model's {self.limit_words}{why}; {advice}")
 
 
 @dataclass(frozen=True)
