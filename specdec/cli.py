@@ -316,8 +316,8 @@ def said_as_flags(message: str, flags: Collection[str] | None = None, options: C
 
 def drafter_option_keys(args) -> set[str]:
     """The keys of the --drafter-option values given, as Python names (``medusa.top-k=2``: top_k)."""
-    return {pair.partition("=")[0].rpartition(".")[2].replace("-", "_") for pair in getattr(args, "drafter_option",
-                                                                                          None) or ()}
+    pairs = getattr(args, "drafter_option", None) or ()  # a command without --drafter-option has none
+    return {pair.partition("=")[0].rpartition(".")[2].replace("-", "_") for pair in pairs}
 
 
 class _SaidAsFlags(logging.Filter):
