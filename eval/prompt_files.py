@@ -146,16 +146,24 @@ def _from_record(obj: Any, where: str, column: str | None) -> Conversation:
 
 
 def _read_text(path: Path) -> str:
+    """The file's text, without a leading byte-order mark (not part of line 1); not UTF-8: the line and the byte."""
     try:
-        return path.read_text(encoding="utf-8-sig")  # -sig: a leading byte-order mark is not part of line 1
-    except UnicodeDecodeError as err:
-        raise InputError(f"prompt file {path}: not UTF-8 text (byte {err.start})") from None
+        data = path.read_bytes()
     except OSError as err:
         raise InputError(f"prompt file {path}: cannot be read ({err.strerror or err})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:  # err.start counts from after the mark: the offset in the file is wanted
+        at = err.start + 3 * data.startswith(b"\xef\xbb\xbf")
+        line, start = data.count(b"\n", 0, at) + 1, data.rfind(b"\n", 0, at) + 1
+        raise InputError(f"prompt file {path}: not UTF-8 text (line {line}, byte {at - start} of the line, "
+                         f"0x{data[at]:02x}: {err.reason})") from None
 
 
 def _jsonl(path: Path, column: str | None) -> Iterator[Conversation]:
-    for i, line in enumerate(_read_text(path).splitlines(), 1):
+    # lines end at \n, \r\n or \r only: splitlines() also broke lines at U+2028, U+0085, ..., which JSON keeps
+    # unescaped inside a string (json.dumps(ensure_ascii=False) writes them so)
+    for i, line in enumerate(io.StringIO(_read_text(path), newline=None), 1):
         if not line.strip():
             continue
         try:

@@ -136,6 +136,26 @@ def test_byte_order_mark_is_skipped_and_non_utf8_names_the_file(tmp_path):
         read_prompt_file(_jsonl(tmp_path / "empty.jsonl", []))
 
 
+def test_a_non_utf8_byte_is_named_by_its_line_and_place_in_the_file(tmp_path):
+    """The offset said was counted from after a byte-order mark, 3 bytes short of the file's, and named no line."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'\xef\xbb\xbf{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(InputError, match=r"not UTF-8 text \(line 2, byte 15 of the line, 0xe9: "):
+        read_prompt_file(bad)
+
+
+def test_a_jsonl_string_holding_a_unicode_line_separator_is_one_record(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 as they are inside a string: the lines were
+    split there too, and a valid file was refused as "not valid JSON"; lines end at \\n, \\r\\n or \\r."""
+    texts = ["one\u2028two", "three\u2029four", "five\x85six", "seven"]
+    path = tmp_path / "sep.jsonl"
+    path.write_bytes(b"".join(json.dumps({"prompt": t}, ensure_ascii=False).encode() + end
+                              for t, end in zip(texts, (b"\n", b"\r\n", b"\r", b"\n"), strict=True)))
+    conversations = read_prompt_file(path)
+    assert [c.turns for c in conversations] == [(t,) for t in texts]
+    assert [c.where.rsplit(":", 1)[1] for c in conversations] == ["1", "2", "3", "4"]
+
+
 @pytest.fixture(scope="module")
 def loaded(eval_tiny_model):
     return eval_tiny_model
