@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.errors import InputError
+from specdec.errors import InputError, not_utf8_at
 
 DEFAULT_CATEGORY = "custom"
 # the report's rows merged over several categories (specdec.eval.spec_bench): no category may take their names
@@ -153,11 +153,8 @@ def _read_text(path: Path) -> str:
         raise InputError(f"prompt file {path}: cannot be read ({err.strerror or err})") from None
     try:
         return data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:  # err.start counts from after the mark: the offset in the file is wanted
-        at = err.start + 3 * data.startswith(b"\xef\xbb\xbf")
-        line, start = data.count(b"\n", 0, at) + 1, data.rfind(b"\n", 0, at) + 1
-        raise InputError(f"prompt file {path}: not UTF-8 text (line {line}, byte {at - start} of the line, "
-                         f"0x{data[at]:02x}: {err.reason})") from None
+    except UnicodeDecodeError as err:
+        raise InputError(f"prompt file {path}: not UTF-8 text ({not_utf8_at(data, err)})") from None
 
 
 def _jsonl(path: Path, column: str | None) -> Iterator[Conversation]:

@@ -42,6 +42,15 @@ def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0]
 
 
+def not_utf8_at(data: bytes, err: UnicodeDecodeError, first: int = 1) -> str:
+    """Where decoding ``data`` (whose first line is line ``first`` of its file) met ``err``, as a refusal of a text
+    file says it: ``line L, byte B: reason``, B counted from the line's start. A ``utf-8-sig`` decode counts
+    ``err.start`` past a byte-order mark: the file's count is wanted (3 short, it named the wrong byte, or line)."""
+    at = err.start + len(data) - len(err.object)
+    line, start = data.count(b"\n", 0, at) + first, data.rfind(b"\n", 0, at) + 1
+    return f"line {line}, byte {at - start}: {err.reason}"
+
+
 def require_package(name: str, extra: str | None = None) -> None:
     """A ModuleNotFoundError naming ``name`` where it is not installed, before work that would need it later or fail
     inside a library without naming it; its message names specdec's ``extra`` that installs it, for a caller of the

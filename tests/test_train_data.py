@@ -137,6 +137,14 @@ def test_a_jsonl_file_that_starts_with_a_byte_order_mark_is_read(tmp_path):
     assert load_texts(str(f)) == ["first", "second"]
 
 
+def test_a_non_utf8_byte_on_a_first_line_after_a_byte_order_mark_is_named_where_it_is(tmp_path):
+    """The byte was counted from after the mark: "byte 13" for the file's byte 16, 3 short of where it is."""
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"text": "caf\xe9"}\n')
+    with pytest.raises(TrainDataError, match=r"is not UTF-8 text \(line 1, byte 16: invalid continuation byte\)"):
+        load_texts(str(f))
+
+
 @pytest.mark.parametrize("case,match", [
     ("missing", "not found"), ("unknown", "unknown data format"), ("empty", "d.jsonl is empty"),
     ("nofield", "neither"), ("corrupt", "cannot read"), ("plain_dir", "not a dataset"),

@@ -182,6 +182,15 @@ def test_a_prompts_file_that_is_not_utf8_names_the_line(tiny, tmp_path, capsys):
                                "text (line 2, byte 3: invalid continuation byte)"), err
 
 
+def test_a_prompts_file_with_a_byte_order_mark_names_the_line_of_a_non_utf8_byte(tiny, tmp_path, capsys):
+    """Counted from after the mark, the place was 3 bytes short: a byte 1 of line 2 was said as line 1, byte 10."""
+    (tmp_path / "prompts.txt").write_bytes(b"\xef\xbb\xbfwrite a poem\nc\xe9 time\n")
+    rc = main(["train-medusa", "--model", str(tiny / "model"), "--prompts-file", str(tmp_path / "prompts.txt"),
+               "--output-dir", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.endswith("is not UTF-8 text (line 2, byte 1: invalid continuation byte)"), err
+
+
 def _distil_cfg(tiny, tmp_path, prompts: list[str], **kw) -> TrainConfig:
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     base = dict(model=str(tiny / "model"), output_dir=str(tmp_path / "run"), prompts_file=str(tmp_path / "prompts.txt"),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from specdec.eval.prompt_files import is_saved_dataset
 
-from specdec.errors import SpecdecError, first_line
+from specdec.errors import SpecdecError, first_line, not_utf8_at
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +146,8 @@ def _jsonl_lines(path: Path):
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as err:
-                raise TrainDataError(f"training data {path} is not UTF-8 text (line {number}, byte {err.start}: "
-                                     f"{err.reason})") from err
+                raise TrainDataError(f"training data {path} is not UTF-8 text ({not_utf8_at(raw, err, number)})") \
+                    from err
             if not line.strip():
                 continue
             try:  # without the line break: an error at the line's end is at its last column, not the next line's first

@@ -38,7 +38,7 @@ from specdec.train.prompts import builtin_prompts
 from specdec.train.run_seconds import run_seconds, wall_time_line
 
 from specdec.atomic_write import write_json, write_text
-from specdec.errors import InputError
+from specdec.errors import InputError, not_utf8_at
 from specdec.folder_lock import only_writer
 from specdec.models.fingerprint import model_fingerprint
 from specdec.output_dirs import check_creatable, make_dir
@@ -72,9 +72,7 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
     try:
         text = data.decode("utf-8-sig")  # a BOM (Windows editors write one) is no prompt's
     except UnicodeDecodeError as err:  # its line and the byte in it, as --data's refusal says them
-        line, start = data.count(b"\n", 0, err.start) + 1, data.rfind(b"\n", 0, err.start) + 1
-        raise TrainDataError(f"prompts file {path} is not UTF-8 text (line {line}, byte {err.start - start}: "
-                             f"{err.reason})") from err
+        raise TrainDataError(f"prompts file {path} is not UTF-8 text ({not_utf8_at(data, err)})") from err
     prompts = [x.strip() for x in text.splitlines() if x.strip()]
     if not prompts:
         raise TrainDataError(f"prompts file {path} is empty")
