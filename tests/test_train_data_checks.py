@@ -399,6 +399,16 @@ def test_a_prompts_file_that_starts_with_a_byte_order_mark_gives_its_first_promp
     assert read_inputs(cfg, None) == ["write a poem", "name a river"]
 
 
+def test_a_prompt_holding_a_unicode_line_separator_or_a_form_feed_stays_one_prompt(tmp_path):
+    """str.splitlines() cut a line at U+2028, U+2029, U+0085 or a form feed too: one prompt trained on as two; a
+    line ends at \\n, \\r\\n or \\r."""
+    prompts = ["one\u2028two", "three\x0cfour", "five\x85six", "seven"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts[:2]) + "\r\n" + "\r".join(prompts[2:]), encoding="utf-8",
+                                          newline="")
+    cfg = TrainConfig(model="m", output_dir=str(tmp_path / "run"), prompts_file=str(tmp_path / "prompts.txt"))
+    assert read_inputs(cfg, None) == prompts
+
+
 def test_medusa_scores_responses_alone_and_chooses_its_tree_from_them(tmp_path):
     """Self-distilled Medusa heads were scored, and their saved tree chosen, over every position: the chat template,
     which repeats in every sequence and is easy to predict, promised more than drafting a reply gets (EAGLE's

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import io
 import logging
 import os
 import time
@@ -73,7 +74,8 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
         text = data.decode("utf-8-sig")  # a BOM (Windows editors write one) is no prompt's
     except UnicodeDecodeError as err:  # its line and the byte in it, as --data's refusal says them
         raise TrainDataError(f"prompts file {path} is not UTF-8 text ({not_utf8_at(data, err)})") from err
-    prompts = [x.strip() for x in text.splitlines() if x.strip()]
+    # one prompt per line, lines ending at \n, \r\n or \r: splitlines() also cut a prompt at U+2028, U+0085, a form feed
+    prompts = [x.strip() for x in io.StringIO(text, newline=None) if x.strip()]
     if not prompts:
         raise TrainDataError(f"prompts file {path} is empty")
     _few_prompts(cfg.num_prompts, len(prompts), f"prompts file {path}")
