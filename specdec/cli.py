@@ -466,7 +466,8 @@ def _checked_texts(args) -> tuple[str, str | None, list[str] | None]:
     model's own); an empty prompt, or --system without a chat template, refused."""
     text, source = _read_prompt(args)
     if not text.strip():
-        raise CLIError(f"the prompt is empty (read from {source})")
+        what = "only whitespace" if text else "empty"  # "   " said "empty": the user typed something
+        raise CLIError(f"the prompt is {what} (read from {source}); give the text to generate from")
     system = _check_argument(args.system, "--system") if args.system is not None else None
     if system is not None and args.no_chat_template:
         raise CLIError("--system goes into the chat template, which --no-chat-template turns off; drop one of them "

@@ -239,7 +239,8 @@ def gpt2_ckpt(tmp_path_factory):
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["   \n", "--model", "{ckpt}"], "the prompt is empty"),
+        ([" \n", "--model", "{ckpt}"], r"the prompt is only whitespace \(read from the prompt argument\)"),
+        (["", "--model", "{ckpt}"], r"the prompt is empty \(read from the prompt argument\)"),
         (["hi", "--model", "/no/such/model"], "unknown model '/no/such/model'"),
         (["hi", "--model", "{ckpt}", "--drafter", "no-such-drafter"], "unknown drafter 'no-such-drafter'"),
         (["hi", "--model", "{ckpt}", "--do-sample", "--temperature", "0"],
