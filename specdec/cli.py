@@ -225,7 +225,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-stop", action="store_true",
                    help="no stop strings: not the model's own (its generation_config's stop_strings), which --stop "
                         "replaces")
-    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="feed the prompt as raw text, with the tokenizer's own special tokens (default: as the user "
+                        "message of the model's chat template, with the assistant's turn opened, where its tokenizer "
+                        "has one; else raw text)")
     p.add_argument("--system", default=None,
                    help="system message for the chat template; \"\" gives an empty one (default: none given, so "
                         "the template's own, if it has one: SmolLM2's adds a default system message)")

@@ -366,6 +366,16 @@ def test_every_option_has_a_help_text():
     assert bare == [], f"options without a help text: {bare}"
 
 
+def test_generate_help_says_the_prompt_goes_through_the_chat_template_by_default():
+    """--no-chat-template's help said only "feed the prompt as raw text": nothing said that without it the prompt is
+    the user message of the model's chat template, which changes the tokens the model is given."""
+    from specdec.cli import _parser
+
+    generate = next(parser for command, parser in _commands(_parser()) if command.endswith(" generate"))
+    flag = next(a for a in generate._actions if "--no-chat-template" in a.option_strings)
+    assert "default: as the user message of the model's chat template" in flag.help
+
+
 def test_verbose_shows_the_traceback_and_keeps_the_exit_code(capsys):
     """-v raised the error, so its exit code was 1, a failed certificate's: a script could not tell them apart."""
     capsys.readouterr()
