@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.errors import InputError, not_utf8_at
+from specdec.errors import InputError, lone_surrogate_at, not_utf8_at
 
 DEFAULT_CATEGORY = "custom"
 # the report's rows merged over several categories (specdec.eval.spec_bench): no category may take their names
@@ -97,6 +97,9 @@ def _cell_owner(conversations: list[Conversation], category: str, turn: int, mul
 def _text(value: Any, where: str, field: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InputError(f"{where}: field {field!r} must be a non-empty string, got {json.dumps(value)[:40]}")
+    if (bad := lone_surrogate_at(value)) is not None:
+        raise InputError(f"{where}: field {field!r} holds a lone surrogate ({bad}, a \\u escape without its pair), "
+                         "which is no text a tokenizer encodes")
     return value
 
 

@@ -51,6 +51,17 @@ def not_utf8_at(data: bytes, err: UnicodeDecodeError, first: int = 1) -> str:
     return f"line {line}, byte {at - start}: {err.reason}"
 
 
+def lone_surrogate_at(text: str) -> str | None:
+    """Where ``text`` holds a lone surrogate (a JSON string's ``"\\ud800"`` escape without its pair reads as one),
+    which no tokenizer encodes (transformers' fast ones fail in a TypeError about ``TextEncodeInput``), as a refusal
+    says it: ``U+D800 at character 1``; None for valid text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"U+{ord(text[err.start]):04X} at character {err.start}"
+    return None
+
+
 def require_package(name: str, extra: str | None = None) -> None:
     """A ModuleNotFoundError naming ``name`` where it is not installed, before work that would need it later or fail
     inside a library without naming it; its message names specdec's ``extra`` that installs it, for a caller of the

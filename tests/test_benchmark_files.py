@@ -144,6 +144,18 @@ def test_a_non_utf8_byte_is_named_by_its_line_and_place_in_the_file(tmp_path):
         read_prompt_file(bad)
 
 
+def test_a_prompt_holding_a_lone_surrogate_is_refused_naming_its_line_and_field(tmp_path):
+    """JSON's "\\ud800" escape without its pair reads as a lone surrogate, which the tokenizer then failed on in a
+    TypeError traceback ("TextEncodeInput must be Union[...]") naming no prompt."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"turns": ["ok", "a\\ud800b"]}\n')
+    with pytest.raises(InputError, match=r"s.jsonl:2: field 'turns\[1\]' holds a lone surrogate \(U\+D800 at "
+                                         r"character 1, "):
+        read_prompt_file(path)
+    path.write_text('{"prompt": "\\ud83c\\udf19 moon"}\n')  # a pair is one character: read as it is
+    assert read_prompt_file(path)[0].turns == ("\U0001f319 moon",)
+
+
 def test_a_jsonl_string_holding_a_unicode_line_separator_is_one_record(tmp_path):
     """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 as they are inside a string: the lines were
     split there too, and a valid file was refused as "not valid JSON"; lines end at \\n, \\r\\n or \\r."""

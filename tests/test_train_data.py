@@ -137,6 +137,16 @@ def test_a_jsonl_file_that_starts_with_a_byte_order_mark_is_read(tmp_path):
     assert load_texts(str(f)) == ["first", "second"]
 
 
+def test_a_text_holding_a_lone_surrogate_is_refused_naming_its_line(tmp_path):
+    """JSON's "\\udc00" escape without its pair reads as a lone surrogate, which the tokenizer then failed on in a
+    TypeError traceback naming no record."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "ok fine"}\n{"text": "a\\udc00b c"}\n')
+    with pytest.raises(TrainDataError, match=r"d.jsonl line 2: its text holds a lone surrogate \(U\+DC00 at "
+                                             r"character 1, "):
+        load_texts(str(f))
+
+
 def test_a_non_utf8_byte_on_a_first_line_after_a_byte_order_mark_is_named_where_it_is(tmp_path):
     """The byte was counted from after the mark: "byte 13" for the file's byte 16, 3 short of where it is."""
     f = tmp_path / "d.jsonl"

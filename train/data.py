@@ -23,7 +23,7 @@ from pathlib import Path
 
 from specdec.eval.prompt_files import is_saved_dataset
 
-from specdec.errors import SpecdecError, first_line, not_utf8_at
+from specdec.errors import SpecdecError, first_line, lone_surrogate_at, not_utf8_at
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +223,9 @@ def load_texts(data: str, text_field: str = "text", messages_field: str = "messa
         for where, text, messages in records:
             read += 1
             text = _record_text(path, where, text, messages, text_field, messages_field, tokenizer, odd_roles)
+            if (bad := lone_surrogate_at(text)) is not None:  # the tokenizer's TypeError named no record
+                raise TrainDataError(f"{path} {where}: its text holds a lone surrogate ({bad}, a \\u escape without "
+                                     "its pair), which is no text a tokenizer encodes")
             if text.strip():
                 texts.append(text)
     except UnicodeDecodeError as err:
