@@ -169,7 +169,10 @@ def _jsonl(path: Path, column: str | None) -> Iterator[Conversation]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
-            raise InputError(f"{path}:{i}: not valid JSON ({err.msg})") from None
+            # a line of plain text (train-*'s --prompts-file is one prompt per line) is no record: say what one is
+            hint = "" if line.lstrip()[:1] in ("{", "[") else (
+                "; each line must be a JSON object, e.g. {\"prompt\": \"...\"} (or give a .csv / .parquet file)")
+            raise InputError(f"{path}:{i}: not valid JSON ({err.msg}){hint}") from None
         yield _from_record(obj, f"{path}:{i}", column)
 
 

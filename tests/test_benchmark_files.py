@@ -82,7 +82,9 @@ def test_a_folder_datasets_did_not_save_is_refused_as_such_without_datasets(tmp_
 
 
 MALFORMED = {  # id: (line 2 of the file, what the error names)
-    "not-json": ("{oops", r"q.jsonl:2: not valid JSON"),
+    "not-json": ("{oops", r"q.jsonl:2: not valid JSON \(Expecting property name enclosed in double quotes\)$"),
+    "plain-text": ("name a river", r"q.jsonl:2: not valid JSON \(Expecting value\); each line must be a JSON object, "
+                                   r"e.g. {\"prompt\": \"...\"}"),
     "no-prompt-field": ('{"question_id": 5, "category": "qa"}', r"q.jsonl:2: needs a field one of 'turns'"),
     "turns-not-a-list": ('{"category": "qa", "turns": 5}', r"q.jsonl:2: field 'turns' must be a string or"),
     "empty-turn": ('{"category": "qa", "turns": ["ok", ""]}', r"q.jsonl:2: field 'turns\[1\]' must be a non-empty"),
