@@ -177,9 +177,20 @@ def _jsonl(path: Path, column: str | None) -> Iterator[Conversation]:
 
 
 def _csv(path: Path, column: str | None) -> Iterator[Conversation]:
-    rows = csv.DictReader(io.StringIO(_read_text(path), newline=""))  # a quoted field keeps its line breaks
-    for row in rows:
-        yield _from_record(row, f"{path}:{rows.line_num}", column)
+    # a quoted field keeps its line breaks; strict: a stray or unclosed quote is refused, not read on to the file's end
+    rows = csv.DictReader(io.StringIO(_read_text(path), newline=""), strict=True)
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except csv.Error as err:
+            raise InputError(f"{path}: not valid CSV after line {rows.line_num} ({err})") from None
+        where = f"{path}:{rows.line_num}"
+        if None in row:  # more fields than the header names: an unquoted comma cut a prompt, the rest was dropped
+            raise InputError(f"{where}: {len(rows.fieldnames) + len(row[None])} fields, but the header names "
+                             f"{len(rows.fieldnames)}; quote a field that holds a comma (\"a, b\")")
+        yield _from_record(row, where, column)
 
 
 def _table(rows: Iterator[dict], path: Path, column: str | None) -> Iterator[Conversation]:

@@ -66,6 +66,21 @@ def test_tables_and_saved_datasets(tmp_path):
     assert [(c.category, c.turns) for c in read_prompt_file(tmp_path / "saved")] == [("qa", ("p1",))]
 
 
+def test_a_csv_prompt_cut_by_an_unquoted_comma_or_an_unclosed_quote_is_refused(tmp_path):
+    """A prompt holding an unquoted comma was cut there, the rest of it silently dropped ("Read, then answer." read
+    as "Read"); an unclosed quote read every line after it into one prompt. Quoted, both are read whole."""
+    path = tmp_path / "p.csv"
+    path.write_text('prompt\nfine\nRead, then answer.\n')
+    with pytest.raises(InputError, match=r"p.csv:3: 2 fields, but the header names 1; quote a field that holds a "
+                                         r"comma"):
+        read_prompt_file(path)
+    path.write_text('prompt\nfine\n"Read, then answer.\nnext\n')
+    with pytest.raises(InputError, match=r"p.csv: not valid CSV after line 2 \(unexpected end of data\)"):
+        read_prompt_file(path)
+    path.write_text('prompt\n"Read, then answer."\nsay "hi" now\n')
+    assert [c.turns for c in read_prompt_file(path)] == [("Read, then answer.",), ('say "hi" now',)]
+
+
 def test_a_folder_datasets_did_not_save_is_refused_as_such_without_datasets(tmp_path, monkeypatch):
     """Without datasets installed, any folder was answered "reading it needs datasets"; once installed, a folder it
     did not save was refused anyway."""
