@@ -51,6 +51,20 @@ class Conversation:
             raise InputError(f"{self.where or 'conversation'}: has no user turn")
 
 
+class DuplicateKey(ValueError):
+    """A JSON object that holds one key twice (Python keeps the last value; datasets refuses the file)."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads``' ``object_pairs_hook`` that raises :class:`DuplicateKey` for a key given twice in one object."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise DuplicateKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
 def category_name(value: Any, where: str) -> str:
     if value is None:
         return DEFAULT_CATEGORY
@@ -167,7 +181,9 @@ def _jsonl(path: Path, column: str | None) -> Iterator[Conversation]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=unique_keys)
+        except DuplicateKey as twice:  # {"prompt": "a", "prompt": "b"} measured "b" unsaid
+            raise InputError(f"{path}:{i}: holds the key {twice.args[0]!r} twice in one object") from None
         except json.JSONDecodeError as err:
             # a line of plain text (train-*'s --prompts-file is one prompt per line) is no record: say what one is
             hint = "" if line.lstrip()[:1] in ("{", "[") else (

@@ -110,6 +110,8 @@ MALFORMED = {  # id: (line 2 of the file, what the error names)
     "system-after-user": ('{"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]}',
                           r"q.jsonl:2: field 'messages'\[1\]: a system message after a user turn"),
     "bool-category": ('{"category": true, "turns": ["x"]}', r"q.jsonl:2: field 'category' must be a string"),
+    "key-twice": ('{"prompt": "a", "category": "qa", "prompt": "b"}', r"q.jsonl:2: holds the key 'prompt' twice in one "
+                  r"object"),
     "dots-category": ('{"category": "..", "turns": ["x"]}', r"q.jsonl:2: field 'category' \"..\" has no letter"),
 }
 

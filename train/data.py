@@ -21,7 +21,7 @@ import logging
 from contextlib import contextmanager
 from pathlib import Path
 
-from specdec.eval.prompt_files import is_saved_dataset
+from specdec.eval.prompt_files import DuplicateKey, is_saved_dataset, unique_keys
 
 from specdec.errors import SpecdecError, first_line, lone_surrogate_at, not_utf8_at
 
@@ -86,19 +86,6 @@ def logger_at(name: str, level: int):
         logger.setLevel(before)
 
 
-class _DuplicateKey(ValueError):
-    """A JSON object that holds one key twice (Python keeps the last value; datasets refuses the file)."""
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    seen = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise _DuplicateKey(key)
-        seen.add(key)
-    return dict(pairs)
-
-
 def _what_is_wrong(err: Exception) -> str:
     """The innermost cause datasets wraps (its own DatasetGenerationError says only that generating failed); for its
     CastError (a record of other fields or types than those of the file's first chunk), what to do."""
@@ -151,11 +138,11 @@ def _jsonl_lines(path: Path):
             if not line.strip():
                 continue
             try:  # without the line break: an error at the line's end is at its last column, not the next line's first
-                record = json.loads(line.rstrip("\r\n"), object_pairs_hook=_unique_keys)
+                record = json.loads(line.rstrip("\r\n"), object_pairs_hook=unique_keys)
             except json.JSONDecodeError as bad:
                 raise TrainDataError(f"cannot read training data {path}: line {number} is not JSON ({bad.msg}, "
                                      f"column {bad.colno})") from None
-            except _DuplicateKey as twice:
+            except DuplicateKey as twice:
                 raise TrainDataError(f"cannot read training data {path}: line {number} holds the key "
                                      f"{twice.args[0]!r} twice in one object") from None
             if not isinstance(record, dict):
