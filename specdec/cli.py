@@ -33,7 +33,7 @@ import time
 from collections.abc import Collection
 
 from specdec import __version__
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, other_unicode
 from specdec.help_format import name_commands, path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
@@ -112,6 +112,9 @@ class _Collected:
 def _decode(data: bytes, source: str, hint: str = "convert it first, e.g. with iconv -t UTF-8") -> str:
     """`data` as UTF-8 text with universal newlines (as a text-mode read gives it) and without a leading byte-order
     mark (as the eval prompt files are read), or a CLIError naming `source` and the first offending byte."""
+    if (other := other_unicode(data)) is not None:  # text, whose NUL bytes said "looks binary"
+        raise CLIError(f"{source} is {other} text (by its byte-order mark); the prompt must be UTF-8 text: convert it "
+                       f"first, e.g. with iconv -f {other} -t UTF-8")
     if b"\x00" in data:
         raise CLIError(f"{source} looks binary (it contains NUL bytes); the prompt must be UTF-8 text")
     try:

@@ -10,6 +10,7 @@ The message is one line that names the argument or file and says what was expect
 """
 from __future__ import annotations
 
+import codecs
 import difflib
 from collections.abc import Iterable
 
@@ -42,13 +43,27 @@ def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0]
 
 
+# byte-order marks of the other Unicode encodings (UTF-32's first: UTF-16 LE's is the start of UTF-32 LE's)
+_OTHER_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+               (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def other_unicode(data: bytes) -> str | None:
+    """"UTF-16" / "UTF-32" where ``data`` starts with that encoding's byte-order mark (Windows Notepad's "Unicode"
+    writes UTF-16): text, only not UTF-8; None otherwise."""
+    return next((name for bom, name in _OTHER_BOMS if data.startswith(bom)), None)
+
+
 def not_utf8_at(data: bytes, err: UnicodeDecodeError, first: int = 1) -> str:
     """Where decoding ``data`` (whose first line is line ``first`` of its file) met ``err``, as a refusal of a text
-    file says it: ``line L, byte B: reason``, B counted from the line's start. A ``utf-8-sig`` decode counts
-    ``err.start`` past a byte-order mark: the file's count is wanted (3 short, it named the wrong byte, or line)."""
+    file says it: ``line L, byte B: reason``, B counted from the line's start, and what the file is where its
+    byte-order mark says (:func:`other_unicode`). A ``utf-8-sig`` decode counts ``err.start`` past a UTF-8 mark: the
+    file's count is wanted (3 short, it named the wrong byte, or line)."""
     at = err.start + len(data) - len(err.object)
     line, start = data.count(b"\n", 0, at) + first, data.rfind(b"\n", 0, at) + 1
-    return f"line {line}, byte {at - start}: {err.reason}"
+    other = other_unicode(data) if first == 1 else None
+    what = f"; it is {other} text, by its byte-order mark: convert it to UTF-8" if other else ""
+    return f"line {line}, byte {at - start}: {err.reason}{what}"
 
 
 def lone_surrogate_at(text: str) -> str | None:

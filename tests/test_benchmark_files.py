@@ -175,6 +175,16 @@ def test_a_prompt_holding_a_lone_surrogate_is_refused_naming_its_line_and_field(
     assert read_prompt_file(path)[0].turns == ("\U0001f319 moon",)
 
 
+def test_a_utf16_prompt_file_is_named_as_such(tmp_path):
+    """Windows Notepad's "Unicode" is UTF-16: "not UTF-8 text (line 1, byte 0: invalid start byte)" said nothing of
+    what the file is."""
+    path = tmp_path / "q.jsonl"
+    path.write_bytes('{"prompt": "hi"}\n'.encode("utf-16"))
+    with pytest.raises(InputError, match=r"line 1, byte 0: invalid start byte; it is UTF-16 text, by its byte-order "
+                                         r"mark: convert it to UTF-8\)$"):
+        read_prompt_file(path)
+
+
 def test_a_jsonl_string_holding_a_unicode_line_separator_is_one_record(tmp_path):
     """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 as they are inside a string: the lines were
     split there too, and a valid file was refused as "not valid JSON"; lines end at \\n, \\r\\n or \\r."""

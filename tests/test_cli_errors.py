@@ -75,7 +75,9 @@ def test_empty_stdin_says_where_the_prompt_came_from(ckpt, capsys, monkeypatch):
 
 @pytest.mark.parametrize("content, what", [
     (b"\x7fELF\x02\x01\x01\x00\x00\x00", "looks binary"),        # an executable
-    (b"\xff\xfeh\x00i\x00", "looks binary"),                      # UTF-16
+    (b"\xff\xfeh\x00i\x00", "is UTF-16 text (by its byte-order mark); the prompt must be UTF-8 text: convert it "
+                           "first, e.g. with iconv -f UTF-16 -t UTF-8"),  # UTF-16, Notepad's "Unicode": not binary
+    (b"\xff\xfe\x00\x00h\x00\x00\x00", "is UTF-32 text"),                    # UTF-32
     ("café au lait".encode("latin-1"), "byte 0xe9 at offset 3"),  # Latin-1
 ])
 def test_prompt_file_that_is_not_utf8_text_is_named(content, what, ckpt, capsys, tmp_path):
