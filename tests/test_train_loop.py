@@ -32,6 +32,7 @@ from specdec.train.output_dir import OutputDirError  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
 from specdec.train.process_failures import FailureNotes, PeerFailed  # noqa: E402
 
+from specdec.errors import InputError  # noqa: E402
 from specdec.sigterm import Terminated, sigterm_as_interrupt  # noqa: E402
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,?!'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -1373,6 +1374,18 @@ def test_checkpoint_swap_survives_a_kill_between_renames(tmp_path):
 def test_seq_len_beyond_context_is_refused(tiny, tmp_path):
     with pytest.raises(ValueError, match="context"):
         run_training(_cfg(tiny, tmp_path / "s", seq_len=100_000, eval_tau=False))
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "eagle"])
+def test_draft_vocab_beyond_the_vocabulary_is_refused_not_cut_to_the_training_tokens(tiny, tmp_path, drafter):
+    """A head over --draft-vocab N > the vocabulary would hold only the tokens the data holds, not the whole
+    vocabulary the user may think N means: refused before the output directory exists, naming 'full'."""
+    vocab = json.loads((tiny / "model" / "config.json").read_text())["vocab_size"]
+    with pytest.raises(InputError, match=rf"^--draft-vocab 100000 exceeds the model's vocabulary of {vocab} tokens; "
+                                         rf"pass --draft-vocab {vocab} or less, or --draft-vocab full for its whole "
+                                         r"LM head$"):
+        run_training(_cfg(tiny, tmp_path / "v", drafter=drafter, draft_vocab=100_000, eval_tau=False))
+    assert not (tmp_path / "v").exists()
 
 
 def test_choose_tree_budget_prefixes_and_order():

@@ -161,7 +161,7 @@ def choose_draft_vocab(cfg: TrainConfig, train_seqs: list[list[int]], model) -> 
     if cfg.draft_vocab == "auto":
         size, table = choose_size(train_seqs, cfg.draft_vocab_coverage)
     else:
-        size = min(cfg.draft_vocab, model.config.vocab_size)
+        size = cfg.draft_vocab  # at most the vocabulary: _load_and_prepare refused more
     eos = model.config.eos_token_id
     always = [eos] if isinstance(eos, int) else list(eos or [])
     ids = tuple(frequent_tokens(train_seqs, size, always=always))
@@ -340,6 +340,10 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
     if max_pos is not None and cfg.seq_len > max_pos:
         raise InputError(f"--seq-len {cfg.seq_len} exceeds the model's context of {max_pos} tokens; pass --seq-len "
                          f"{max_pos} or less")
+    vocab = loaded.model.config.vocab_size
+    if isinstance(cfg.draft_vocab, int) and cfg.draft_vocab > vocab:
+        raise InputError(f"--draft-vocab {cfg.draft_vocab} exceeds the model's vocabulary of {vocab} tokens; pass "
+                         f"--draft-vocab {vocab} or less, or --draft-vocab full for its whole LM head")
     if loaded.tokenizer is None:  # --data, --prompts-file, the built-in and self-written prompts: all text
         raise TrainDataError(f"model {cfg.model} has no tokenizer, and training reads text (its data or the prompts "
                              "the target answers): save the model's tokenizer files beside it")
