@@ -189,7 +189,9 @@ def run_replay(args) -> int:
     queued = "" if args.queued_step is None else f", held-off steps queued at {args.queued_step:.3f} ms"
     print(f"{record['model']}, {counted(len(record['sequences']), 'prompt')}, {counted(tokens, 'token')}; "
           f"c_verify(1) = {c1 * 1e3:.2f} ms ({where}){queued}")
-    print(f"{'drafter':>12} {'max_nodes':>9} {'guard':>5} {'T':>4} {'tau':>6} {'nodes':>6} {'draft ms':>8} "
+    if options:  # as typed: a combined drafter's children's options too, and a max_nodes the cut column is not
+        print("drafter options: " + " ".join(f"{k}={json.dumps(v)}" for k, v in options.items()))
+    print(f"{'drafter':>12} {'cut':>9} {'guard':>5} {'T':>4} {'tau':>6} {'nodes':>6} {'draft ms':>8} "
           f"{'speedup':>8} {'overall':>8}")
     for r in results:
         budget = "-" if r["max_nodes"] is None else str(r["max_nodes"])
@@ -198,6 +200,8 @@ def run_replay(args) -> int:
         guard = "on" if r["guard"] else "off"
         print(f"{r['drafter']:>12} {budget:>9} {guard:>5} {r['temperature']:>4g} {r['tau']:>6.2f} "
               f"{r['mean_tree_nodes']:>6.1f} {r['cost_draft_s'] * 1e3:>8.3f} {speed:>8} {overall:>8}")
+    print("note: cut is --max-nodes, the first N nodes of each tree the drafter proposed (its own options cap it "
+          "first)")
     print("note: speedup is the decode phase's; overall counts the prompts' prefill as recorded")
     for note in results[0]["notes"]:
         print(f"note: {note}")

@@ -554,6 +554,23 @@ def test_a_tree_size_given_twice_is_replayed_once(tmp_path, recorded, capsys):
     assert [r["max_nodes"] for r in json.loads(capsys.readouterr().out)["results"]] == [4, 8]
 
 
+def test_the_table_shows_the_drafters_options_beside_the_cut(tmp_path, recorded, capsys):
+    """--drafter-option max_nodes=3 --max-nodes 5 showed 5 under a max_nodes column and no word of the 3 the drafter
+    stopped at; a combined drafter's children's options were not shown at all."""
+    from specdec.cli import main
+
+    path = save_record(recorded[1], tmp_path / "run.json")
+    assert main(["eval", "replay", "run", "--record", str(path), "--drafter-option", "max_nodes=3",
+                 "--max-nodes", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "drafter options: max_nodes=3" and lines[2].split()[:2] == ["drafter", "cut"]
+    assert "note: cut is --max-nodes, the first N nodes of each tree the drafter proposed (its own options cap it " \
+           "first)" in lines
+    assert main(["eval", "replay", "run", "--record", str(path), "--drafter", "combined", "--drafter-option",
+                 'drafters=[{"name": "ngram", "max_nodes": 3}]']) == 0
+    assert capsys.readouterr().out.splitlines()[1] == 'drafter options: drafters=[{"name": "ngram", "max_nodes": 3}]'
+
+
 def test_an_earlier_record_is_replaced_only_with_overwrite_and_a_folder_never(tmp_path, recorded):
     """--out naming an earlier record: refused without --overwrite (a record, not only other data, is kept unasked);
     --out naming a folder: refused with --overwrite too, as a folder, before the recording."""
