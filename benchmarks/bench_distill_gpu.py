@@ -18,10 +18,14 @@ import argparse
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from specdec.atomic_write import write_json
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_overwrite, check_new_files  # noqa: E402
+
+from specdec.atomic_write import write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -32,7 +36,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--json", help="also write the numbers to this JSON file")
-    return ap.parse_args(argv)
+    add_overwrite(ap)
+    args = ap.parse_args(argv)
+    check_new_files(ap, args.overwrite, args.json)
+    return args
 
 
 def load(spec: str):

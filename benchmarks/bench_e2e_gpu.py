@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HelpWithDefaults, chat_ids, run_main  # noqa: E402
+from common import HelpWithDefaults, add_overwrite, chat_ids, check_new_files, run_main  # noqa: E402
 
 from specdec.atomic_write import write_json  # noqa: E402
 
@@ -52,7 +52,9 @@ def parse_args(argv=None):
                     help="skip transformers' static-cache generate (its torch.compile runs take most of a short run)")
     ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph rows")
     ap.add_argument("--json", help="also write the totals to this JSON file")
+    add_overwrite(ap)
     args = ap.parse_args(argv)
+    check_new_files(ap, args.overwrite, args.json)
     if args.prompts < 1 or args.max_new_tokens < 1:
         ap.error("--prompts and --max-new-tokens must be >= 1")
     if args.skip_dynamic and args.skip_static:

@@ -29,10 +29,14 @@ import datetime
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from specdec.atomic_write import write_json
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_overwrite, check_new_files  # noqa: E402
+
+from specdec.atomic_write import write_json  # noqa: E402
 
 SHAPES = {"llama8b": (32, 8, 128), "embedded": (9, 3, 64), "tiny": (4, 2, 16)}  # query heads, kv heads, head dim
 DEVICE = "cuda"  # "cpu" only for --cpu-smoke (Triton interpreter, fp32, plumbing check, no meaningful times)
@@ -53,7 +57,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="check the script's plumbing on CPU in the Triton interpreter (tiny shape, times meaningless)")
+    add_overwrite(ap)
     args = ap.parse_args(argv)
+    check_new_files(ap, args.overwrite, args.json)
     if args.cpu_smoke:
         args.batch, args.context, args.tree, args.page, args.shapes = "2", "40", "1,5", "16", "tiny"
     if args.quick:

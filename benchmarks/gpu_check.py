@@ -231,7 +231,8 @@ def step_kernels(out: Path) -> dict:
     for name, extra in (("graph", ["--graph"]), ("eager", ["--batch", "1,8", "--context", "8192", "--tree", "1,16"])):
         js = out / f"kernels_{name}.json"
         # a flag given twice: argparse keeps the last, so `extra` narrows the eager sweep
-        cmd = [sys.executable, "-P", str(BENCH / "bench_kernels_gpu.py"), *common, *extra, "--json", str(js)]
+        cmd = [sys.executable, "-P", str(BENCH / "bench_kernels_gpu.py"), *common, *extra, "--json", str(js),
+               "--overwrite"]  # the report folder's earlier kernel files are this check's to replace
         rc, seconds = run(cmd, out / f"kernels_{name}.log", timeout=200)
         ok = rc == 0 and js.is_file()
         failed |= not ok
@@ -243,7 +244,7 @@ def step_kernels(out: Path) -> dict:
 def step_e2e(out: Path, model: str, prompts: int, quick: bool = False) -> dict:
     js = out / "e2e.json"
     cmd = [sys.executable, "-P", str(BENCH / "bench_e2e_gpu.py"), "--model", model, "--prompts", str(prompts),
-           "--json", str(js)] + (["--skip-static"] if quick else [])
+           "--json", str(js), "--overwrite"] + (["--skip-static"] if quick else [])  # as the kernels step's
     rc, seconds = run(cmd, out / "e2e.log", timeout=330)
     ok = rc == 0 and js.is_file()
     data = json.loads(js.read_text()) if ok else {}

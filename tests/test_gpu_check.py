@@ -505,6 +505,26 @@ def test_a_tests_step_fails_when_any_of_its_runs_fails_and_not_when_none_is_sele
     assert step["status"] == "failed" and step["graph"]["points"] is None and step["eager"]["points"] == []
 
 
+def test_the_kernels_and_e2e_steps_replace_their_earlier_files_in_the_report_folder(tmp_path, monkeypatch):
+    """gpu_check re-runs into its --out folder by design: the scripts it calls refuse to replace a --json result
+    unless told, so its commands say --overwrite, and they parse with the earlier run's files there."""
+    check = _gpu_check()
+    seen = []
+
+    def fake_run(cmd, log, timeout, env=None):
+        seen.append(cmd)
+        log.write_text("")
+        return 1, 0.0
+
+    monkeypatch.setattr(check, "run", fake_run)
+    for name in ("kernels_graph.json", "kernels_eager.json", "e2e.json"):
+        (tmp_path / name).write_text("{}")
+    check.step_kernels(tmp_path)
+    check.step_e2e(tmp_path, "default", 1)
+    for cmd in seen:  # [python, -P, script, args...]
+        load_script(Path(cmd[2]).stem).parse_args(cmd[3:])  # no SystemExit: the earlier files may be replaced
+
+
 def test_an_e2e_divergence_classified_a_bug_fails_the_step(tmp_path, monkeypatch):
     """A near-tie is bf16 rounding; a bug is not: the e2e step fails on one even though its script exited 0."""
     check = _gpu_check()

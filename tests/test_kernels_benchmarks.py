@@ -44,6 +44,22 @@ def test_refuses_cleanly_without_cuda(script):
     assert "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_json_naming_an_earlier_result_is_refused_without_overwrite(script, tmp_path):
+    """--json replaced an earlier result without a word, where the CPU scripts refuse: refused in one line (before
+    the CUDA check, so on any machine); --overwrite lets the run on to it."""
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text("{}")
+    proc = run(script, "--json", str(earlier))
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(f"{earlier} exists; pass --overwrite to replace it")
+    assert earlier.read_text() == "{}"
+    import torch
+
+    if not torch.cuda.is_available():
+        proc = run(script, "--json", str(earlier), "--overwrite")
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
 def test_kernel_bench_rejects_bad_tree_size():
     proc = run("bench_kernels_gpu.py", "--tree", "65")
     assert proc.returncode == 2 and "1..64" in proc.stderr
