@@ -1,8 +1,9 @@
 """Write docs/benchmarks.md from the committed results in docs/results/*.json.
 
 Run by hand after adding a result (``python docs/gen_benchmarks.py``); ``--check`` exits 1 when the committed page
-differs from what the results give (tests/test_docs.py runs it). mkdocs also loads this file as a hook and renders
-the page from the results at build time, so the site never shows a stale page.
+differs from what the results give, naming the result files it shows otherwise (edited, new or removed;
+tests/test_docs.py runs it). mkdocs also loads this file as a hook and renders the page from the results at build
+time, so the site never shows a stale page.
 
 A result file holds one measurement: ``date``, ``machine_class`` (one of MACHINE_CLASSES), ``machine``,
 ``benchmark``, ``title``, ``command`` (one, or a list: a runnable one by docs/doc_commands.py is shown as a bash
@@ -194,13 +195,14 @@ def _result(r: dict, level: str) -> list[str]:
     return out
 
 
-def render(results: list[dict]) -> str:
-    out = [HEADER, "## Latest run per machine class", ""]
+def _parts(results: list[dict]) -> list[tuple[str | None, list[str]]]:
+    """The page's lines in order, in parts, each with the result file it shows (None: the page's own text)."""
+    parts: list[tuple[str | None, list[str]]] = [(None, [HEADER, "## Latest run per machine class", ""])]
     for cls, label in MACHINE_CLASSES.items():
         mine = [r for r in results if r["machine_class"] == cls and r.get("kind", "benchmark") == "benchmark"]
         if not mine:
             continue
-        out += [f"### {label}", ""]
+        parts.append((None, [f"### {label}", ""]))
         latest: dict[str, dict] = {}
         for r in sorted(mine, key=_order):
             before = latest.get(r["benchmark"])
@@ -208,15 +210,28 @@ def render(results: list[dict]) -> str:
                 raise ValueError(f"{before['file']} and {r['file']}: the same machine_class, benchmark, date and run, "
                                  "so one would hide the other; give one its own benchmark, a run or kind history")
             latest[r["benchmark"]] = r
-        for r in sorted(latest.values(), key=lambda r: (r["benchmark"], r["date"])):
-            out += _result(r, "####")
-    out += ["## History", "", "Every committed result, newest first; the files hold the full record.", ""]
-    rows = [
-        [r["date"], MACHINE_CLASSES[r["machine_class"]], r["title"], f"[{r['file']}](results/{r['file']})"]
-        for r in sorted(results, key=_order, reverse=True)
-    ]
-    out += _table(["date", "machine", "what", "result"], rows)
-    return "\n".join(out).rstrip() + "\n"
+        parts += [(r["file"], _result(r, "####")) for r in sorted(latest.values(), key=lambda r: (r["benchmark"],
+                                                                                                   r["date"]))]
+    parts.append((None, ["## History", "", "Every committed result, newest first; the files hold the full record.",
+                         ""] + _table(["date", "machine", "what", "result"], [])))
+    parts += [(r["file"], _table([], [[r["date"], MACHINE_CLASSES[r["machine_class"]], r["title"],
+                                      f"[{r['file']}](results/{r['file']})"]])[2:])
+              for r in sorted(results, key=_order, reverse=True)]
+    return parts
+
+
+def render(results: list[dict]) -> str:
+    return "\n".join(line for _, lines in _parts(results) for line in lines).rstrip() + "\n"
+
+
+def stale_files(results: list[dict], page: str) -> tuple[list[str], list[str]]:
+    """The result files whose parts the committed ``page`` does not hold as they render now (edited or new), and the
+    files the page links that are no longer among ``results`` (removed)."""
+    held = f"\n{page}\n"
+    differ = sorted({name for name, lines in _parts(results)
+                     if name and "\n" + "\n".join(lines).strip("\n") + "\n" not in held})
+    gone = sorted(set(re.findall(r"\]\(results/([^)\s]+\.json)\)", page)) - {r["file"] for r in results})
+    return differ, gone
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
@@ -231,13 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md is out of date; write nothing")
     check = ap.parse_args(argv).check
     try:
-        text = render(load_results())
+        results = load_results()
+        text = render(results)
     except ValueError as err:  # a malformed result file, or two that tie: one line naming them
         print(f"docs/gen_benchmarks.py: docs/results: {err}", file=sys.stderr)
         return 2
     if check:
         if not PAGE.exists() or PAGE.read_text() != text:
-            print("docs/benchmarks.md is out of date: run python docs/gen_benchmarks.py", file=sys.stderr)
+            differ, gone = stale_files(results, PAGE.read_text()) if PAGE.exists() else ([], [])
+            which = "; ".join(([f"it shows otherwise than docs/results gives {', '.join(differ)}"] if differ else [])
+                              + ([f"it shows {', '.join(gone)}, no longer in docs/results"] if gone else []))
+            print(f"docs/benchmarks.md is out of date{f' ({which})' if which else ''}: run python "
+                  "docs/gen_benchmarks.py", file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(text)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -255,6 +256,29 @@ def test_benchmarks_page_shows_the_latest_result_per_machine_class(tmp_path):
     latest, history = page.split("## History")
     assert "NEW RUN" in latest and "OLD RUN" not in latest
     assert "NEW RUN" in history and "OLD RUN" in history
+
+
+def test_check_names_the_result_files_the_page_shows_otherwise(tmp_path, monkeypatch, capsys):
+    """--check said only that docs/benchmarks.md was out of date, not which result file (one a user edited, added
+    or removed) it shows otherwise; exit status 1 either way, and 0 with the page as the results give it."""
+    gen = _gen_benchmarks()
+    for name, date in (("a", "2026-01-01"), ("b", "2026-02-01"), ("c", "2026-03-01")):
+        (tmp_path / f"{name}.json").write_text(json.dumps(dict(
+            date=date, machine_class="cpu-avx512", title=name.upper(), machine="m", benchmark=name,
+            command="python x.py", columns=["x"], rows=[["1"]])))
+    page = tmp_path / "benchmarks.md"
+    page.write_text(before := gen.render(gen.load_results(tmp_path)))
+    real = gen.load_results
+    monkeypatch.setattr(gen, "load_results", lambda: real(tmp_path))
+    monkeypatch.setattr(gen, "PAGE", page)
+    assert gen.main(["--check"]) == 0 and capsys.readouterr().err == ""
+    (tmp_path / "b.json").write_text((tmp_path / "b.json").read_text().replace('"1"', '"2"'))
+    (tmp_path / "c.json").unlink()
+    assert gen.main(["--check"]) == 1
+    assert capsys.readouterr().err == ("docs/benchmarks.md is out of date (it shows otherwise than docs/results gives "
+                                       "b.json; it shows c.json, no longer in docs/results): run python "
+                                       "docs/gen_benchmarks.py\n")
+    assert page.read_text() == before  # --check writes nothing
 
 
 def test_two_results_that_tie_for_latest_are_refused(tmp_path):
