@@ -54,6 +54,7 @@ class StdoutError(SpecdecError, OSError):
 # the builtin checks of bad input; OSError covers missing files and unknown model paths.
 USER_ERRORS = (CLIError, SpecdecError, ValueError, OSError)
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices, torch attribute names
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token, as tokenizers' ByteFallback decoder reads it
 
 
 class _TextStream:
@@ -62,7 +63,13 @@ class _TextStream:
     Each call decodes a window, the tokens since the last print but one: the text of the tokens before the last
     print anchors it (a leading space, a character cut in two), and what follows the anchor is new. Decoding the
     whole list at every call cost time in proportion to the text so far (quadratic in an 8k-token answer); where a
-    window's text does not begin with its anchor, the whole list is decoded once."""
+    window's text does not begin with its anchor, the whole list is decoded once.
+
+    Text that a later token may still change is held back, so that what is printed is the final decode's text (the
+    ``--json`` text): an incomplete UTF-8 sequence at the end (U+FFFD), a run of byte-fallback tokens (``<0xNN>``,
+    Llama's and Mistral's), which the decoder turns into U+FFFDs *as a whole*, ASCII bytes included, where the run
+    is not valid UTF-8, and a call that printed nothing (a SentencePiece decoder strips a lone "▁" at the text's end
+    and at its start: the window's start moved past it lost its space)."""
 
     kept = "kept above"  # where the tokens of a run cut short are
 
@@ -86,12 +93,17 @@ class _TextStream:
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
         anchor, window = decode(self.tokens[self.start:self.read]), decode(self.tokens[self.start:])
         new = window[len(anchor):] if window.startswith(anchor) else decode(self.tokens)[self.printed:]
-        if new.endswith("\ufffd") and not final:  # an incomplete UTF-8 sequence: wait for the next token
+        if not final and (not new or new.endswith("\ufffd") or self._in_byte_run()):  # may change: wait (class doc)
             return
         self.out.write(new)
         self.out.flush()
         self.printed += len(new)
         self.start, self.read = self.read, len(self.tokens)
+
+    def _in_byte_run(self) -> bool:
+        """Whether the last token is a byte-fallback token, whose run of bytes a later one may turn into U+FFFDs."""
+        to_tokens = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        return to_tokens is not None and BYTE_TOKEN.fullmatch(str(to_tokens(self.tokens[-1]))) is not None
 
 
 class _Collected:

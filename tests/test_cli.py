@@ -477,6 +477,52 @@ def test_the_text_stream_prints_a_character_cut_at_the_end_when_it_finishes():
     assert out.getvalue() == "caf\ufffd\n"  # b"caf\xc3" decodes to "caf" and one replacement character
 
 
+
+def test_the_text_stream_prints_a_byte_fallback_run_as_the_final_decode_shows_it():
+    """A byte-fallback decoder (Llama's, Mistral's) turns a run of ``<0xNN>`` tokens that is not valid UTF-8 into
+    U+FFFDs as a whole, its ASCII bytes included: the stream printed "a" before the 0x80 after it garbled it, and the
+    text on the screen ("a\ufffdb") was not the --json text ("\ufffd\ufffdb")."""
+    import io
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from specdec.cli import _TextStream
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    vocab.update({c: 256 + i for i, c in enumerate(" abcdefghijklmnopqrstuvwxyz")})
+    fallback = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    fallback.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=fallback)
+    for ids in ([0x61, 0x80, 256 + 2], tok("ab 你好")["input_ids"] + [0x80, 256 + 3, 0xC3, 0xA9]):
+        out = io.StringIO()
+        stream = _TextStream(tok, out)
+        for i in ids:
+            stream(0, [i])
+        stream.finish()
+        assert out.getvalue() == tok.decode(ids) + "\n"
+
+
+def test_the_text_stream_keeps_the_space_of_a_lone_sentencepiece_token_its_decoder_strips():
+    """A SentencePiece decoder that strips the text's ends (transformers' SentencePieceBackend) decodes a lone "▁"
+    to nothing at either end of a window: "hello world" streamed as "hellow" + "orld"."""
+    import io
+
+    from specdec.cli import _TextStream
+
+    pieces = ["▁he", "ll", "o", "▁", "w", "orld"]
+
+    class Pieces:  # token i is pieces[i]
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(pieces[i] for i in ids).replace("▁", " ").strip()
+
+    out = io.StringIO()
+    stream = _TextStream(Pieces(), out)
+    for i in range(len(pieces)):
+        stream(0, [i])
+    stream.finish()
+    assert out.getvalue() == "hello world\n"
+
 def _summary(**fields) -> dict:
     return {"new_tokens": 24, "seconds": 2.0, "tokens_per_s": 12.0, "tau": 1.0, "steps": 24, "drafter": "none",
             "acceptance_per_depth": [], "prompt_tokens": 10, "finish": "length", **fields}
