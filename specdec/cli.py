@@ -449,6 +449,7 @@ def _generate(args, stream_class, cut_short=None) -> tuple[str, dict]:
     load_seconds = time.perf_counter() - t0
     tok = loaded.tokenizer
     ids = _prompt_ids(tok, args, text, system)
+    prompt = {"chat_template": _chat_template_used(tok, args), "system": system}  # how the prompt was fed, for --json
     vocab = loaded.runner.shape.vocab_size
     if ids and max(ids) >= vocab:  # the tokenizer is not the model's: say so, not "input_ids outside the vocabulary"
         raise CLIError(f"the tokenizer of model {args.model!r} gave the prompt token id {max(ids)}, outside the "
@@ -461,10 +462,10 @@ def _generate(args, stream_class, cut_short=None) -> tuple[str, dict]:
         ending = _ending(err)
         if cut_short is not None and ending is not None and stream.tokens:
             cut_short(tok.decode(stream.tokens, skip_special_tokens=True),
-                      _cut_summary(loaded, args, len(ids), len(stream.tokens), time.perf_counter() - t0, ending,
-                                   load_seconds))
+                      _cut_summary(loaded, args, prompt, len(ids), len(stream.tokens), time.perf_counter() - t0,
+                                   ending, load_seconds))
         raise
-    summary = _summary(loaded, args, out, load_seconds)
+    summary = _summary(loaded, args, prompt, out, load_seconds)
     return tok.decode(out.new_tokens[0], skip_special_tokens=True), summary
 
 
@@ -548,7 +549,7 @@ def _prompt_ids(tok, args, text: str, system: str | None) -> list[int]:
     if system is not None and not getattr(tok, "chat_template", None):
         raise CLIError(f"--system goes into the chat template, and the tokenizer of model {args.model!r} has none; "
                        "drop --system (or put the system text at the start of the prompt)")
-    if not args.no_chat_template and getattr(tok, "chat_template", None):
+    if _chat_template_used(tok, args):
         messages = [{"role": "system", "content": system}] if system is not None else []  # "": an empty one
         messages.append({"role": "user", "content": text})
         try:
@@ -561,6 +562,11 @@ def _prompt_ids(tok, args, text: str, system: str | None) -> list[int]:
             raise CLIError(f"the chat template of model {args.model!r} refuses the messages: {err}; {advice} to feed "
                            "the prompt as raw text") from err
     return check_encoded(text, tok(text)["input_ids"])
+
+
+def _chat_template_used(tok, args) -> bool:
+    """Whether the prompt goes through the tokenizer's chat template: it has one, and no --no-chat-template."""
+    return not args.no_chat_template and bool(getattr(tok, "chat_template", None))
 
 
 def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: list[str] | None, args, stream):
@@ -600,12 +606,12 @@ def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: li
     return out
 
 
-def _cut_summary(loaded, args, prompt_tokens: int, new_tokens: int, seconds: float, ending: str,
+def _cut_summary(loaded, args, prompt: dict, prompt_tokens: int, new_tokens: int, seconds: float, ending: str,
                  load_seconds: float) -> dict:
     """The summary of a run cut short (`ending`: its `finish`): the fields of :func:`_summary`, those only the
     finished run's statistics hold (tau, steps, acceptance_per_depth) null."""
     return {
-        **_what_ran(loaded, args), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+        **_what_ran(loaded, args), **prompt, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "seconds": round(seconds, 3), "tokens_per_s": round(new_tokens / max(seconds, 1e-9), 2), "tau": None,
         "steps": None, "finish": ending, "load_seconds": round(load_seconds, 2), "acceptance_per_depth": None,
     }
@@ -616,11 +622,12 @@ def _what_ran(loaded, args) -> dict:
             "device": str(loaded.runner.device), "drafter": args.drafter or "none"}
 
 
-def _summary(loaded, args, out, load_seconds: float) -> dict:
-    """What the summary line (or --json) reports of the run."""
+def _summary(loaded, args, prompt: dict, out, load_seconds: float) -> dict:
+    """What the summary line (or --json) reports of the run; `prompt`: whether the chat template was applied, and
+    the --system message."""
     s = out.stats[0]
     return {
-        **_what_ran(loaded, args), "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
+        **_what_ran(loaded, args), **prompt, "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
         "seconds": round(out.seconds, 3), "tokens_per_s": round(s.tokens_per_second, 2),
         "tau": round(s.tau, 3), "steps": s.steps, "finish": s.finish_reason, "load_seconds": round(load_seconds, 2),
         "acceptance_per_depth": [round(a, 3) for a in s.acceptance_per_depth],

@@ -88,6 +88,7 @@ def test_json_summary(ckpt, capsys):
     assert summary["new_tokens"] == N and summary["steps"] == N and summary["tau"] == 1.0
     assert summary["prompt_tokens"] == len(PROMPT)  # character tokenizer, no chat template
     assert summary["drafter"] == "none" and summary["finish"] == "length"
+    assert summary["chat_template"] is False and summary["system"] is None  # the tiny tokenizer has no template
     assert summary["tokens_per_s"] > 0 and summary["seconds"] > 0
     assert not SUMMARY.match(err)  # --json replaces the plain line
     page = (Path(__file__).parents[1] / "docs" / "getting-started.md").read_text()
@@ -191,14 +192,17 @@ def test_ngram_drafter_prints_tau_and_the_same_text(ckpt, capsys):
 
 
 def test_chat_template_is_applied_unless_disabled(chat_ckpt, capsys):
-    def prompt_tokens(*extra):
+    """--json says whether it was, and with which --system message: two runs' documents did not say why their
+    prompt_tokens differed."""
+    def prompt(*extra):
         rc, out, err = run(capsys, "hello", "--model", chat_ckpt, "--max-new-tokens", "4", "--json", *extra)
         assert rc == 0, err
-        return json.loads(out)["prompt_tokens"]
+        summary = json.loads(out)
+        return summary["prompt_tokens"], summary["chat_template"], summary["system"]
 
-    assert prompt_tokens("--no-chat-template") == len("hello")
-    assert prompt_tokens() == len("user: hello. assistant: ")
-    assert prompt_tokens("--system", "be brief") == len("system: be brief. user: hello. assistant: ")
+    assert prompt("--no-chat-template") == (len("hello"), False, None)
+    assert prompt() == (len("user: hello. assistant: "), True, None)
+    assert prompt("--system", "be brief") == (len("system: be brief. user: hello. assistant: "), True, "be brief")
 
 
 def test_an_empty_system_message_is_an_empty_system_turn(chat_ckpt, capsys):
@@ -549,6 +553,7 @@ def test_a_run_cut_short_reports_its_tokens_per_second():
     from specdec.cli import _cut_summary
 
     loaded = SimpleNamespace(name="tiny", runner=SimpleNamespace(dtype=torch.float32, device=torch.device("cpu")))
-    got = _cut_summary(loaded, SimpleNamespace(drafter=None), 10, 6, 2.0, "interrupted", 0.5)
+    prompt = {"chat_template": False, "system": None}
+    got = _cut_summary(loaded, SimpleNamespace(drafter=None), prompt, 10, 6, 2.0, "interrupted", 0.5)
     assert got["tokens_per_s"] == 3.0 and got["new_tokens"] == 6 and got["seconds"] == 2.0
     assert (got["tau"], got["steps"], got["finish"], got["drafter"]) == (None, None, "interrupted", "none")
