@@ -738,6 +738,8 @@ def test_a_weights_file_written_again_alone_is_read_again(tmp_path):
 
 
 def test_a_model_passed_without_a_name_records_no_source_rather_than_the_working_directory():
+    """Its display name is its class: a replay record of it named the model "", and `eval replay run` began its
+    header with ", 3 prompts"."""
     from specdec.models.loader import model_reference
     from specdec.testing import build_tiny_model
 
@@ -745,6 +747,7 @@ def test_a_model_passed_without_a_name_records_no_source_rather_than_the_working
     model = build_tiny_model()
     model.config._name_or_path = ""
     assert load_model(model).source == ""
+    assert load_model(model).name == "LlamaForCausalLM"
 
 
 def test_transformers_load_report_of_conversion_errors_is_kept_and_others_dropped():

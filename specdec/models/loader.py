@@ -57,7 +57,7 @@ class LoadedModel:
     model: Any  # transformers PreTrainedModel (eval mode)
     tokenizer: Any | None
     runner: LlamaRunner
-    name: str  # short display name (a folder or file name, the alias)
+    name: str  # short display name (a folder or file name, the alias; a model passed without one: its class)
     source: str = ""  # a reference other tools can resolve: hub id or absolute path (model_reference)
 
 
@@ -419,7 +419,7 @@ def load_model(
     if isinstance(spec, torch.nn.Module) and _is_hf_model(getattr(spec, "_orig_mod", None)):
         spec = spec._orig_mod  # torch.compile(model): specdec runs its own forward on the same weights
     if _is_hf_model(spec):
-        model, name = spec, getattr(spec.config, "_name_or_path", type(spec).__name__)
+        model, name = spec, getattr(spec.config, "_name_or_path", "") or type(spec).__name__  # one built in memory
         source = model_reference(getattr(spec.config, "_name_or_path", "") or "")
         _place_passed_model(model, dtype, device)
     elif isinstance(spec, (str, Path)):
