@@ -31,6 +31,7 @@ import re
 import sys
 import time
 from collections.abc import Collection
+from pathlib import Path
 
 from specdec import __version__
 from specdec.errors import SpecdecError, other_unicode
@@ -540,11 +541,15 @@ def _cli_drafter(args):
 def _prompt_ids(tok, args, text: str, system: str | None) -> list[int]:
     """The prompt's token ids, through the tokenizer's chat template unless --no-chat-template (or it has none)."""
     from specdec.generate_inputs import check_encoded
+    from specdec.models.loader import holds_tokenizer_files
 
     if tok is None:
         if str(args.model).lower().endswith(".gguf"):  # nothing to save next to a file
             raise CLIError(f"model {args.model!r} holds no vocabulary (tokenizer.ggml.tokens), and the CLI needs a "
                            "tokenizer: use a GGUF file with its vocabulary, or pass token ids to specdec.generate()")
+        if Path(args.model).is_dir() and holds_tokenizer_files(Path(args.model)):  # the files are there
+            raise CLIError(f"the tokenizer of model {args.model!r} could not be loaded (the warning above says why); "
+                           "the CLI needs one")
         raise CLIError(f"model {args.model!r} has no tokenizer; the CLI needs one (save it next to the checkpoint)")
     if system is not None and not getattr(tok, "chat_template", None):
         raise CLIError(f"--system goes into the chat template, and the tokenizer of model {args.model!r} has none; "

@@ -289,6 +289,18 @@ def test_user_errors_are_one_line_and_exit_code_2(argv, match, ckpt, no_tokenize
     assert len(lines) == 1 and re.search(match, lines[0]), err
 
 
+
+def test_a_tokenizer_that_does_not_load_is_not_called_missing(tmp_path, capsys):
+    """A checkpoint whose tokenizer files are there but do not load (damaged, or needing a package not installed):
+    "has no tokenizer ... (save it next to the checkpoint)" told the user to save what is there already."""
+    path = tmp_path / "ckpt"
+    save_tiny_checkpoint(path)
+    (path / "tokenizer.json").write_text("{not json")
+    rc, _, err = run(capsys, "hi", "--model", str(path))
+    assert rc == 2, err
+    assert err.splitlines()[-1] == (f"specdec generate: error: the tokenizer of model {str(path)!r} could not be "
+                                    "loaded (the warning above says why); the CLI needs one")
+
 def test_dtype_and_device_reach_the_model(ckpt, capsys):
     """--dtype bfloat16 runs the model in bf16 (its own greedy text, as the API gives it in bf16)."""
     rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--dtype", "bfloat16",

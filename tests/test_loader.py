@@ -606,6 +606,26 @@ def test_a_model_saved_without_its_tokenizer_says_so_not_that_sentencepiece_is_m
         "vocab.json, ...); token ids only"]
 
 
+
+def test_a_sentencepiece_tokenizer_without_protobuf_names_protobuf_not_tiktoken(tmp_path, caplog):
+    """A checkpoint whose tokenizer is a tokenizer.model alone (no tokenizer.json): transformers converts it through
+    protobuf and, without it, falls back to tiktoken, whose absence the warning named ("`tiktoken` is required")."""
+    from transformers.utils import is_protobuf_available
+
+    spm = pytest.importorskip("sentencepiece")
+    if is_protobuf_available():
+        pytest.skip("protobuf is installed: the tokenizer loads")
+    build_tiny_model(vocab_size=300).save_pretrained(tmp_path)
+    lines = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?"] * 10
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(tmp_path / "tokenizer"),
+                                   vocab_size=300, byte_fallback=True, hard_vocab_limit=False, minloglevel=2)
+    with caplog.at_level(logging.WARNING, logger="specdec.models.loader"):
+        loaded = load_model(str(tmp_path))
+    assert loaded.tokenizer is None
+    assert [r.getMessage() for r in caplog.records if r.name == "specdec.models.loader"] == [
+        f"no tokenizer loaded from {tmp_path} (its SentencePiece tokenizer.model is read through protobuf, not "
+        "installed: pip install protobuf); token ids only"]
+
 def test_a_config_written_by_a_later_transformers_is_refused_not_read_as_another_model(tmp_path):
     """transformers 4 (pyproject allows >= 4.56) read a config.json that transformers 5 wrote (the embedded model's
     cached conversion too) without a word, its RoPE base in rope_parameters unread: the text came out another."""

@@ -143,9 +143,20 @@ def _tokenizer(path: Path, trust_remote_code: bool) -> Any:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a tokenizer.json it cannot parse
         # any failure leaves token ids, as a tokenizer that is not JSON does: one line, no traceback kept
-        why = textwrap.shorten(str(err), 300, placeholder=" ...")
-        logger.warning("no tokenizer loaded from %s (%s: %s); token ids only", path, type(err).__name__, why)
+        why = f"{type(err).__name__}: {textwrap.shorten(str(err), 300, placeholder=' ...')}"
+        if _needs_protobuf(path):  # transformers blamed a missing tiktoken, the fallback it tried last
+            why = "its SentencePiece tokenizer.model is read through protobuf, not installed: pip install protobuf"
+        logger.warning("no tokenizer loaded from %s (%s); token ids only", path, why)
         return None
+
+
+def _needs_protobuf(path: Path) -> bool:
+    """Whether the directory's tokenizer is a SentencePiece model alone (no tokenizer.json), which transformers
+    converts through protobuf, and protobuf is not installed."""
+    from transformers.utils import is_protobuf_available
+
+    return (not (path / "tokenizer.json").exists() and any(f.suffix == ".model" for f in path.iterdir())
+            and not is_protobuf_available())
 
 
 def holds_tokenizer_files(path: Path) -> bool:
