@@ -184,6 +184,16 @@ def test_goodness_of_fit_never_pools_its_last_common_bin():
     assert fit.p_value < 1e-10 and fit.detects_tv is not None
 
 
+def test_goodness_of_fit_tests_a_pooled_bin_expecting_under_five_draws_exactly():
+    """Expected 299.4 and 0.6 of 300: one common outcome is left, so the rare bin keeps an expectation under 5, where
+    the chi-square's tail is not the statistic's. Three rare draws have binomial probability 0.023 (a correct sampler
+    does that), but chi2 = 2.4^2 / 0.6 + 2.4^2 / 299.4 = 9.62 on 1 df reads p 0.0019, a failure at level 0.01 (a
+    correct sampler failed 2.3% of tests at that level); the exact binomial test keeps the level."""
+    fit = goodness_of_fit(["a"] * 297 + ["b"] * 3, {"a": 0.998, "b": 0.002}, tv=0.1, alpha=0.01)
+    assert fit.p_value == pytest.approx(stats.binomtest(3, 300, 0.002).pvalue)
+    assert fit.p_value > 0.01
+
+
 def test_holm_steps_down_to_a_larger_level_after_each_rejection():
     """Holm at 0.05 over three p-values: 0.01 <= 0.05 / 3, 0.02 <= 0.05 / 2, 0.04 <= 0.05 / 1, so all three are
     rejected (Bonferroni's 0.05 / 3 for each rejects only the first); 0.03 then 0.026 > 0.025 stops the steps."""
