@@ -9,10 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from scipy import stats as sps
 from specdec.eval import engine_law
 from specdec.eval.certificate import CertificateSizes, run_certificate
 from specdec.eval.divergence import diagnose, greedy_identity
 from specdec.eval.negative_controls import ENGINE_FAULTS
+from specdec.eval.two_sample import two_sample_chi2
 
 from specdec.generate import generate
 from specdec.models.loader import load_model
@@ -1140,6 +1142,16 @@ def test_two_sample_chi2_never_pools_its_last_common_bin():
 
     test = two_sample_chi2(["x"] * 100, ["x"] * 96 + ["w"] * 4, tv=0.1, alpha=0.05)
     assert test.detects_tv is not None and test.p_value < 1.0
+
+
+def test_two_sample_chi2_tests_a_pooled_bin_expecting_under_five_draws_exactly():
+    """50 draws against 5,000 of a law with one common outcome: the rare bin (28 draws in all) expects 0.28 in the
+    smaller sample, where the chi-square's tail is not the statistic's. Three rare draws of 50 at the larger
+    sample's rate 0.005 happen with probability 0.002, but the chi-square read p 2e-5, a failure at level 1e-3 (a
+    correct sampler failed 1.4% of tests at level 1% at these sizes); Fisher's exact test keeps the level."""
+    test = two_sample_chi2(["x"] * 47 + ["r"] * 3, ["x"] * 4975 + ["r"] * 25, tv=0.1, alpha=1e-3)
+    assert test.p_value == pytest.approx(sps.fisher_exact([[47, 3], [4975, 25]]).pvalue)
+    assert test.p_value > 1e-3
 
 
 def test_two_sample_chi2_keeps_bins_expecting_exactly_five_draws():
