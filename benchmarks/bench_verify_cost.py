@@ -22,7 +22,7 @@ from common import HelpWithDefaults, run_main  # noqa: E402
 from specdec.cost_model import ensure_row_policy  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 from specdec.sampling import SamplingConfig  # noqa: E402
-from specdec.verify_cost import measure_verify_costs  # noqa: E402
+from specdec.verify_cost import calibration_need, measure_verify_costs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--sizes, --context and --reps must be positive")
     torch.set_grad_enabled(False)
     loaded = load_model("default")
-    growth = (args.reps + 1) * sum({1, *sizes})  # as measure_verify_costs grows each sequence: n tokens a step
-    room = loaded.runner.shape.max_positions - growth - 2
+    added = calibration_need([1, *sizes], args.reps) - 1  # the positions measure_verify_costs adds to a context
+    room = loaded.runner.shape.max_positions - added
     if args.context > room:  # measure_verify_costs would time a shorter context than the one printed
         ap.error(f"--context {args.context}: the model holds {loaded.runner.shape.max_positions} positions, and "
-                 f"--reps {args.reps} over --sizes {args.sizes} add {growth + 2}: at most {max(room, 0)}")
+                 f"--reps {args.reps} over --sizes {args.sizes} add {added}: at most {max(room, 0)}")
     ensure_row_policy(loaded.runner)  # linear()'s measured CPU row policy, as every engine built by generate() runs
     times = measure_verify_costs(loaded.runner, [list(range(100, 100 + args.context))], [1, *sizes], SamplingConfig(),
                                  repeats=args.reps)

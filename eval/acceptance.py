@@ -67,7 +67,7 @@ from specdec.generate import generate
 from specdec.output import acceptance_rates
 from specdec.sampling import SamplingConfig
 from specdec.sigterm import sigterm_ends_at_once
-from specdec.verify_cost import measure_verify_costs
+from specdec.verify_cost import calibration_need, measure_verify_costs, repeats_that_fit
 
 logger = logging.getLogger(__name__)
 
@@ -399,11 +399,12 @@ def _calibrate(loaded: Any, cell: Cell, batch: list[list[int]], config: SuiteCon
     chunks = size_chunks(calibration_sizes(cell.step_nodes_histogram, cell.mean_tree_nodes),
                          min(80, (shape.max_positions - 3) // rounds))
     widest = max(sum(sizes) for sizes in chunks)
-    if rounds * widest + 3 > shape.max_positions:
-        fewer = (shape.max_positions - 3) // widest - 1  # the most repeats that fit
+    need = calibration_need([widest], config.calibration_repeats)
+    if need > shape.max_positions:
+        fewer = repeats_that_fit(shape.max_positions, [widest])
         logger.warning("%s / %s: no predicted speedup: timing its verify steps of %d query tokens, %d rounds on one "
                        "context (--calibration-repeats %d and a warm-up), needs %d tokens, more than the model's %s%s",
-                       cell.drafter, cell.category, widest, rounds, config.calibration_repeats, rounds * widest + 3,
+                       cell.drafter, cell.category, widest, rounds, config.calibration_repeats, need,
                        shape.limit_words, f"; --calibration-repeats {fewer} fits" if fewer >= 1 else "")
         return
     for sizes in chunks:

@@ -116,13 +116,13 @@ def measure_costs(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordC
 
     from specdec.cuda_graphs import auto_uses_graphs
     from specdec.sampling import SamplingConfig
-    from specdec.verify_cost import measure_verify_costs
+    from specdec.verify_cost import calibration_need, measure_verify_costs
 
     median = sorted(prompts, key=len)[len(prompts) // 2]
     extra = config.max_new_tokens // 2
     costs = {}
     for sizes in size_chunks(list(COST_GRID)):  # each run of sizes on a fresh context
-        room = loaded.runner.shape.max_positions - (config.cost_repeats + 1) * sum(sizes) - 2
+        room = loaded.runner.shape.max_positions - calibration_need(sizes, config.cost_repeats) + 1
         costs.update(measure_verify_costs(loaded.runner, [median], sizes, SamplingConfig(False),
                                           max(0, min(extra, room - len(median))), config.cost_repeats, config.seed,
                                           graphs=auto_uses_graphs(loaded.runner)))  # as generate() verifies
@@ -136,12 +136,14 @@ def check_costs_fit(shape: Any, config: RecordConfig) -> None:
     ``cost_repeats + 1`` rounds of them."""
     from specdec.eval.pricing import size_chunks
 
+    from specdec.verify_cost import calibration_need, repeats_that_fit
+
     if config.cost_source != "measure":
         return
     widest = max(sum(sizes) for sizes in size_chunks(list(COST_GRID)))
-    need = (config.cost_repeats + 1) * widest + 3  # measure_verify_costs: a token of context and the step's room
+    need = calibration_need([widest], config.cost_repeats)
     if need > shape.max_positions:
-        fewer = (shape.max_positions - 3) // widest - 1  # the most repeats that fit
+        fewer = repeats_that_fit(shape.max_positions, [widest])
         also = f"lower --cost-repeats to {fewer}, or " if fewer >= 1 else ""
         raise InputError(f"--costs measure needs {need} tokens of context to time its verify steps "
                          f"({config.cost_repeats + 1} rounds of {widest} query tokens on one context), more than the "

@@ -21,6 +21,17 @@ from specdec.stopping import StopCriteria
 from specdec.tree import DraftTree
 
 
+def calibration_need(query_tokens: Sequence[int], repeats: int) -> int:
+    """The positions a calibration of ``query_tokens`` with ``repeats`` timed rounds needs at least: its rounds and
+    a warm-up grow each sequence by n tokens a step at most, plus the step's room and one token of context."""
+    return (repeats + 1) * sum(set(query_tokens)) + 3
+
+
+def repeats_that_fit(max_positions: int, query_tokens: Sequence[int]) -> int:
+    """The most timed rounds of ``query_tokens`` that a model of ``max_positions`` holds (0: not one)."""
+    return max((max_positions - 3) // sum(set(query_tokens)) - 1, 0)
+
+
 class _ChainDrafter(Drafter):
     """Calibration drafter: a chain of ``nodes`` nodes per sequence, each the id after the root's (modulo the
     vocabulary): a token the target is not expected to choose there, so the chain is rejected at its first node and
@@ -59,7 +70,7 @@ def measure_verify_costs(runner: LlamaRunner, prompts: Sequence[Sequence[int]], 
         raise ValueError("measure_verify_costs needs prompts and query sizes >= 1")
     shape = runner.shape
     growth = (repeats + 1) * sum(sizes)  # a step commits at most n tokens
-    room = shape.max_positions - growth - 2
+    room = shape.max_positions - calibration_need(sizes, repeats) + 1  # the context each sequence keeps
     if room < 1:
         raise ValueError(f"the model's context ({shape.max_positions}) is too short to calibrate {sizes}")
     contexts = []
