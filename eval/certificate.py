@@ -228,6 +228,16 @@ def low_power_warning(what: str, power: float, detects: float | None, stated: fl
     return f"{what} {_detects(detects, stated)} (power {power_text(power)} < 0.9 there); {advice}"
 
 
+def more_draws(detects: float | None, flag: str) -> str:
+    """A low-power warning's advice for a test against an exact law: raise ``flag``, unless the law has one outcome
+    (``detects`` None: goodness_of_fit keeps two bins wherever the law has two outcomes), which no number of draws
+    tests further than its support."""
+    if detects is not None:
+        return f"raise {flag}"
+    return ("the sampling settings leave one token there (top-k 1, or a top-p its likeliest token fills): a draw "
+            f"off it still fails the check, but no {flag.split()[0]} gives it power")
+
+
 def drafter_modes(drafter: Any, options: dict, sampling: SamplingConfig) -> list[DraftMode]:
     """The draft modes a drafter can propose in this configuration (all three if unknown)."""
     if drafter in ("ngram", "medusa", "eagle", "mtp"):
@@ -369,7 +379,7 @@ def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: Cert
                             detail=", ".join(f"{k}: p={f.p_value:.3g}" for k, f in fits.items())))
         if control is None and power < 0.9:
             warnings.append(low_power_warning(f"sampler statistics: {n} draws per case", power, detects,
-                                              sizes.stat_tv, "raise --stat-samples"))
+                                              sizes.stat_tv, more_draws(detects, "--stat-samples")))
     acceptance = acceptance_cases(modes, stat_sampling)
     for kind, (single, chain, formula) in acceptance.items():
         for rule_name, rule in [("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])]:

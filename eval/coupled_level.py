@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from specdec.eval.certificate import CertificateSizes, Check, low_power_warning
+from specdec.eval.certificate import CertificateSizes, Check, low_power_warning, more_draws
 from specdec.eval.divergence import greedy_identity
 from specdec.eval.engine_law import engine_law_checks
 from specdec.eval.negative_controls import COUPLING_FAULTS, generate_with_control
@@ -127,9 +127,10 @@ def coupled_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingC
     own = [c for c in checks if c.control is None]
     if min(c.power for c in own) < 0.9:
         detects = [c.detects_tv for c in own]
+        detects = None if None in detects else max(detects)
         warnings.append(low_power_warning(f"coupled law: {sizes.stat_samples} draws per case",
-                                          min(c.power for c in own), None if None in detects else max(detects),
-                                          sizes.stat_tv, "raise --stat-samples"))
+                                          min(c.power for c in own), detects, sizes.stat_tv,
+                                          more_draws(detects, "--stat-samples")))
     prompts = make_prompts(sizes.identity_prompts)
     for part in (identity_checks(loaded, drafter, options, sampling, sizes, prompts, seed),
                  engine_law_checks(loaded, sampling, sizes, prompts, seed, "coupled", LEVEL)):

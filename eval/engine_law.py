@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from specdec.eval.certificate import CertificateSizes, Check, low_power_warning
+from specdec.eval.certificate import CertificateSizes, Check, low_power_warning, more_draws
 from specdec.eval.end_to_end import sample_in_chunks
 from specdec.eval.negative_controls import LAW_FAULTS, generate_with_control
 from specdec.eval.statistics import goodness_of_fit
@@ -85,5 +85,5 @@ def engine_law_checks(loaded: Any, sampling: SamplingConfig, sizes: CertificateS
     if checks[0].power < 0.9:
         warnings.append(low_power_warning(f"{what} law through the engine: {n} sequences", checks[0].power,
                                           checks[0].detects_tv, sizes.e2e_tv,
-                                          "raise --sample-sequences (or use --full)"))
+                                          more_draws(checks[0].detects_tv, "--sample-sequences (or use --full)")))
     return checks, warnings

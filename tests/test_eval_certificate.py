@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats as sps
 from specdec.eval import engine_law
-from specdec.eval.certificate import CertificateSizes, run_certificate
+from specdec.eval.certificate import CertificateSizes, run_certificate, sampler_checks
 from specdec.eval.divergence import diagnose, greedy_identity
 from specdec.eval.negative_controls import ENGINE_FAULTS
 from specdec.eval.two_sample import two_sample_chi2
@@ -21,6 +21,7 @@ from specdec.models.loader import load_model
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
 from specdec.testing import RandomTreeDrafter, build_tiny_model
+from specdec.tree import DraftMode
 from tests.cli_runs import run_main
 
 # 7 greedy-identity prompts: this tiny model's answers fall into cycles that few faults disturb, and
@@ -414,8 +415,6 @@ def test_certificate_sizes_detect_the_tv_they_state(sizes):
     from specdec.eval.certificate import sampler_cases
     from specdec.eval.exact_law import step_law
     from specdec.eval.statistics import detectable_tv
-
-    from specdec.tree import DraftMode
 
     n = sizes.stat_samples
     for sampling in (SamplingConfig(True), SamplingConfig(True, 1.5), SamplingConfig(True, 0.8, 50),
@@ -866,6 +865,21 @@ def test_the_coupled_level_warns_where_its_law_rows_are_underpowered(monkeypatch
     assert cert.underpowered and cert.verdict.startswith("PASSED, underpowered"), cert.to_markdown()
     assert len(warnings) == 1 and warnings[0].startswith("coupled law: 200 draws per case detect TV"), warnings
     assert warnings[0].endswith("< 0.9 there); raise --stat-samples"), warnings
+
+
+def test_a_law_of_one_token_is_not_told_to_draw_more(monkeypatch):
+    """At top-k 1 a case's law is one token: its chi-square has no power at any size, and the certificate's warning
+    said "raise --stat-samples", which cannot help."""
+    import specdec.eval.coupled_level as coupled_level
+
+    one = SamplingConfig(True, 1.0, 1)
+    _, warnings = sampler_checks([DraftMode.DETERMINISTIC], one, CertificateSizes(stat_samples=300), set())
+    monkeypatch.setattr(coupled_level, "engine_law_checks", lambda *args: ([], []))
+    monkeypatch.setattr(coupled_level, "identity_checks", lambda *args: ([], []))
+    warnings += coupled_level.coupled_checks(None, "ngram", {}, one, CertificateSizes(stat_samples=300), _prompts)[1]
+    assert len(warnings) == 2, warnings
+    for warning in warnings:
+        assert "raise --stat-samples" not in warning and "leave one token there" in warning, warning
 
 
 def _coupled_walk_without_top_k(self, live, trees, target_logits):
