@@ -289,7 +289,6 @@ def test_user_errors_are_one_line_and_exit_code_2(argv, match, ckpt, no_tokenize
     assert len(lines) == 1 and re.search(match, lines[0]), err
 
 
-
 def test_a_tokenizer_that_does_not_load_is_not_called_missing(tmp_path, capsys):
     """A checkpoint whose tokenizer files are there but do not load (damaged, or needing a package not installed):
     "has no tokenizer ... (save it next to the checkpoint)" told the user to save what is there already."""
@@ -491,7 +490,6 @@ def test_the_text_stream_prints_a_character_cut_at_the_end_when_it_finishes():
     assert out.getvalue() == ""  # held back: the é may yet be completed
     stream.finish()
     assert out.getvalue() == "caf\ufffd\n"  # b"caf\xc3" decodes to "caf" and one replacement character
-
 
 
 def test_the_text_stream_prints_a_byte_fallback_run_as_the_final_decode_shows_it():

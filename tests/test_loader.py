@@ -606,7 +606,6 @@ def test_a_model_saved_without_its_tokenizer_says_so_not_that_sentencepiece_is_m
         "vocab.json, ...); token ids only"]
 
 
-
 def test_a_sentencepiece_tokenizer_without_protobuf_names_protobuf_not_tiktoken(tmp_path, caplog):
     """A checkpoint whose tokenizer is a tokenizer.model alone (no tokenizer.json): transformers converts it through
     protobuf and, without it, falls back to tiktoken, whose absence the warning named ("`tiktoken` is required")."""
@@ -625,6 +624,7 @@ def test_a_sentencepiece_tokenizer_without_protobuf_names_protobuf_not_tiktoken(
     assert [r.getMessage() for r in caplog.records if r.name == "specdec.models.loader"] == [
         f"no tokenizer loaded from {tmp_path} (its SentencePiece tokenizer.model is read through protobuf, not "
         "installed: pip install protobuf); token ids only"]
+
 
 def test_a_config_written_by_a_later_transformers_is_refused_not_read_as_another_model(tmp_path):
     """transformers 4 (pyproject allows >= 4.56) read a config.json that transformers 5 wrote (the embedded model's
