@@ -14,11 +14,12 @@ from specdec.train.features import collate, scope_masks, target_features
 logger = logging.getLogger(__name__)
 
 
-def eval_prompts(n: int) -> list[str]:
-    """The first ``n`` held-out chat prompts of the acceptance suite (--eval-prompts); more than there are is said."""
+def eval_prompts(n: int, said: bool = True) -> list[str]:
+    """The first ``n`` held-out chat prompts of the acceptance suite (--eval-prompts); more than there are is said
+    (where ``said``: the measurement says it, a check of its prompts before it need not)."""
     from specdec.eval.prompts import CHAT, load_prompts
 
-    if n > len(CHAT):
+    if n > len(CHAT) and said:
         logger.warning("--eval-prompts %d: there are %d held-out chat prompts; using all %d", n, len(CHAT), len(CHAT))
     return load_prompts("chat", n)
 MAX_RANK = 10

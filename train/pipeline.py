@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.medusa_heads import save_medusa
-from specdec.eval.prompts import CHAT
 from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells, accuracy_scopes
 from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.checkpoint import checkpoint_step, find_checkpoint
@@ -353,11 +352,11 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
     with contextlib.nullcontext() if accelerator.is_main_process else logger_at("specdec", logging.ERROR):
         inputs = read_inputs(cfg, loaded)
     check_prompts_encode(cfg, loaded, inputs)
-    if cfg.eval_tau:  # measured after training: refused now, not once the training is done (CHAT[:n]: eval_prompts'
-        # prompts, without its warning about too many asked, which the measurement says)
+    if cfg.eval_tau:  # measured after training: refused now, not once the training is done
         _check_answers_fit(loaded.runner.shape, [len(encode_prompt(loaded.tokenizer, p)) for p in
-                                                 CHAT[: cfg.eval_prompts]], cfg.eval_max_new_tokens,
-                           "--eval-max-new-tokens", "tau-measurement prompt", ", or pass --no-eval-tau")
+                                                 eval_prompts(cfg.eval_prompts, said=False)],
+                           cfg.eval_max_new_tokens, "--eval-max-new-tokens", "tau-measurement prompt",
+                           ", or pass --no-eval-tau")
     resume_from = None
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)
