@@ -357,7 +357,7 @@ def _lossless_inputs(args, levels: tuple[str, ...], sizes, device, options: dict
     for it: (loaded, make_prompts, drafter or None)."""
     import torch
     from specdec.drafters.registry import get_drafter
-    from specdec.eval.end_to_end import window
+    from specdec.eval.end_to_end import sampled_tokens
     from specdec.eval.prompts import load_prompts
     from specdec.eval.sampled_start import check_room
 
@@ -377,7 +377,7 @@ def _lossless_inputs(args, levels: tuple[str, ...], sizes, device, options: dict
         prompts = make_prompts(sizes.identity_prompts)
         _check_identity_fits(loaded, prompts, sizes.identity_tokens)
         if "e2e" in levels:  # and the tokens its sampled check draws after a start (eval.sampled_start)
-            check_room(loaded.runner.shape, prompts, window(sizes) + sizes.sample_lookahead)
+            check_room(loaded.runner.shape, prompts, sampled_tokens(sizes))
         drafter = get_drafter(args.drafter, **options)
         drafter.load_for_target(loaded.runner, loaded.tokenizer, loaded.name)
     return loaded, make_prompts, drafter

@@ -67,10 +67,14 @@ def window(sizes: Any) -> int:
     return sizes.sample_tokens + sizes.sample_later
 
 
+def sampled_tokens(sizes: Any) -> int:
+    """New tokens each side samples after its start: the window's and ``sample_lookahead`` more."""
+    return window(sizes) + sizes.sample_lookahead
+
+
 def sampling_kwargs(sampling: SamplingConfig, sizes: Any) -> dict:
-    """generate() arguments of one side: the window's tokens and ``sample_lookahead`` more, sampled."""
-    return dict(sampling.generate_kwargs(), max_new_tokens=window(sizes) + sizes.sample_lookahead,
-                do_sample=True, return_dict=True)
+    """generate() arguments of one side: :func:`sampled_tokens` new tokens, sampled."""
+    return dict(sampling.generate_kwargs(), max_new_tokens=sampled_tokens(sizes), do_sample=True, return_dict=True)
 
 
 def drafted_share(new_tokens: list[list[int]], stats: list[Any], k: int) -> float:

@@ -35,6 +35,7 @@ from specdec.eval.end_to_end import (
     pilot_seed,
     rejected_share,
     sample_in_chunks,
+    sampled_tokens,
     sampling_kwargs,
     window,
 )
@@ -147,7 +148,7 @@ def choose_start(loaded: Any, prompts: list[list[int]], plain: list[list[int]], 
     probs = greedy_token_probs(loaded.model, prompts, plain, sampling, last + k)
     # a start is followed by the sampled tokens, all within the model's context (or sliding window + 1): a start at
     # position p of an answer to a prompt of n tokens needs n + p + new <= limit (answers cut to the starts that fit)
-    new, shape = sampling_kwargs(sampling, sizes)["max_new_tokens"], loaded.runner.shape
+    new, shape = sampled_tokens(sizes), loaded.runner.shape
     room = [shape.max_positions - len(p) - new + 1 for p in prompts]
     fit = [min(len(out) - len(p), r) for p, out, r in zip(prompts, plain, room, strict=True)]
     check_room(shape, prompts, new)  # a prompt with room: one candidate at least
