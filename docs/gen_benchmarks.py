@@ -144,9 +144,11 @@ def _cell(value) -> str:
 
 
 def _table(columns: list, rows: list) -> list[str]:
-    lines = ["| " + " | ".join(_cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return lines
+    return [_row(columns), "|" + "---|" * len(columns)] + [_row(row) for row in rows]
+
+
+def _row(cells: list) -> str:
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
 def _text(text: str) -> str:
@@ -214,8 +216,8 @@ def _parts(results: list[dict]) -> list[tuple[str | None, list[str]]]:
                                                                                                    r["date"]))]
     parts.append((None, ["## History", "", "Every committed result, newest first; the files hold the full record.",
                          ""] + _table(["date", "machine", "what", "result"], [])))
-    parts += [(r["file"], _table([], [[r["date"], MACHINE_CLASSES[r["machine_class"]], r["title"],
-                                      f"[{r['file']}](results/{r['file']})"]])[2:])
+    parts += [(r["file"], [_row([r["date"], MACHINE_CLASSES[r["machine_class"]], r["title"],
+                                 f"[{r['file']}](results/{r['file']})"])])
               for r in sorted(results, key=_order, reverse=True)]
     return parts
 
