@@ -378,7 +378,7 @@ def test_more_prompts_asked_for_than_there_are_are_said(tmp_path, caplog):
     fewer with no word (report.json's config records the number asked for, its counts the number used)."""
     from specdec.eval.prompts import CHAT
     from specdec.train.config import TrainConfig
-    from specdec.train.evaluate import eval_prompts
+    from specdec.train.evaluate import eval_prompts, say_few_eval_prompts
     from specdec.train.pipeline import read_inputs
 
     (tmp_path / "prompts.txt").write_text("one\n\ntwo\nthree\n")
@@ -387,6 +387,7 @@ def test_more_prompts_asked_for_than_there_are_are_said(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert read_inputs(cfg, None) == ["one", "two", "three"]
         assert eval_prompts(1000) == list(CHAT)
+        say_few_eval_prompts(1000)
     assert f"--num-prompts 10: prompts file {tmp_path / 'prompts.txt'} holds 3 prompts; using all 3" in caplog.text
     assert f"--eval-prompts 1000: there are {len(CHAT)} held-out chat prompts; using all {len(CHAT)}" in caplog.text
 

@@ -125,6 +125,19 @@ def test_history_has_no_top1_for_a_head_no_position_reaches(tiny, tmp_path, capl
     assert len(done) == 1 and re.fullmatch(r"done: top1( (\d\.\d{3}|n/a)){5}, tau n/a", done[0]), done
 
 
+def test_more_eval_prompts_than_there_are_is_said_once(tiny, tmp_path, caplog):
+    """--eval-prompts beyond the held-out chat prompts was said twice: by the up-front check of the prompts (with no
+    chat template) and again by the measurement after training. Once, before the work, is enough."""
+    from specdec.eval.prompts import CHAT
+
+    with caplog.at_level("WARNING", logger="specdec.train"):
+        report = run_training(_cfg(tiny, tmp_path / "run", max_steps=1, save_every=1, eval_prompts=1000,
+                                   eval_max_new_tokens=2))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--eval-prompts 1000:")]
+    assert said == [f"--eval-prompts 1000: there are {len(CHAT)} held-out chat prompts; using all {len(CHAT)}"]
+    assert report["tau"] is not None
+
+
 def test_kl_loss_is_zero_only_for_the_target_distribution():
     """KL vs the target's distribution at t+1+i: 0 when the head reproduces it, > 0 otherwise."""
     from specdec.testing import build_tiny_model

@@ -14,14 +14,22 @@ from specdec.train.features import collate, scope_masks, target_features
 logger = logging.getLogger(__name__)
 
 
-def eval_prompts(n: int, said: bool = True) -> list[str]:
-    """The first ``n`` held-out chat prompts of the acceptance suite (--eval-prompts); more than there are is said
-    (where ``said``: the measurement says it, a check of its prompts before it need not)."""
-    from specdec.eval.prompts import CHAT, load_prompts
+def eval_prompts(n: int) -> list[str]:
+    """The first ``n`` held-out chat prompts of the acceptance suite (--eval-prompts); more than there are gives all
+    (:func:`say_few_eval_prompts` says so, once, before the run)."""
+    from specdec.eval.prompts import load_prompts
 
-    if n > len(CHAT) and said:
-        logger.warning("--eval-prompts %d: there are %d held-out chat prompts; using all %d", n, len(CHAT), len(CHAT))
     return load_prompts("chat", n)
+
+
+def say_few_eval_prompts(n: int) -> None:
+    """Warn when --eval-prompts asks for more held-out chat prompts than there are (the measurement uses them all)."""
+    from specdec.eval.prompts import CHAT
+
+    if n > len(CHAT):
+        logger.warning("--eval-prompts %d: there are %d held-out chat prompts; using all %d", n, len(CHAT), len(CHAT))
+
+
 MAX_RANK = 10
 
 

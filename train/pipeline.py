@@ -28,7 +28,7 @@ from specdec.train.checkpoint import checkpoint_step, find_checkpoint
 from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, logger_at, split_held_out, tokenize_texts
 from specdec.train.distill import encode_prompt
-from specdec.train.evaluate import eval_prompts
+from specdec.train.evaluate import eval_prompts, say_few_eval_prompts
 from specdec.train.loop import number
 from specdec.train.medusa_recipe import train_heads
 from specdec.train.output_dir import RUN_FILE, check_resume_writable, prepare_output_dir
@@ -351,10 +351,12 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
     # every process reads the same inputs: the main process alone says their warnings (not each of N processes)
     with contextlib.nullcontext() if accelerator.is_main_process else logger_at("specdec", logging.ERROR):
         inputs = read_inputs(cfg, loaded)
+        if cfg.eval_tau:
+            say_few_eval_prompts(cfg.eval_prompts)
     check_prompts_encode(cfg, loaded, inputs)
     if cfg.eval_tau:  # measured after training: refused now, not once the training is done
         _check_answers_fit(loaded.runner.shape, [len(encode_prompt(loaded.tokenizer, p)) for p in
-                                                 eval_prompts(cfg.eval_prompts, said=False)],
+                                                 eval_prompts(cfg.eval_prompts)],
                            cfg.eval_max_new_tokens, "--eval-max-new-tokens", "tau-measurement prompt",
                            ", or pass --no-eval-tau")
     resume_from = None
