@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from specdec import cpu_info
+from specdec.cli import transformers_bars
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
 
@@ -185,9 +186,10 @@ def cpu_features() -> str:
 def run_main(main) -> None:
     """A script's ``main()`` run as a command: exit with its status; Ctrl-C (or SIGTERM: ``timeout``, a scheduler)
     ends it in one line, status 130 (143), not in a traceback. A result file is written whole or not at all
-    (specdec.atomic_write), so what a script had written before stays as it was."""
+    (specdec.atomic_write), so what a script had written before stays as it was. transformers' progress bars
+    (loading weights) are off, as the specdec commands have them without -v: a script's output is its measurements."""
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(), transformers_bars(shown=False):
             code = main()
     except KeyboardInterrupt as err:
         sys.stdout.flush()

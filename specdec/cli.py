@@ -721,7 +721,7 @@ def _main(argv: list[str]) -> int:
     stdout = sys.stdout
     sys.stdout = _NamedStdout(stdout)
     try:
-        with _transformers_bars(shown=args.verbose), \
+        with transformers_bars(shown=args.verbose), \
                 warnings_as_flags(command._option_string_actions, drafter_option_keys(args)):
             return _run_command(args, name)
     finally:
@@ -797,7 +797,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _transformers_bars(shown: bool):
+def transformers_bars(shown: bool):
     """transformers' own progress bars (loading weights, GGUF tensors) are -v detail, not output: off unless
     `shown`, and back as they were afterwards."""
     from transformers.utils import logging as hf_logging

@@ -450,6 +450,19 @@ def test_a_benchmark_stopped_by_ctrl_c_or_sigterm_says_so_in_one_line(stop, code
         assert exit_.value.code == returned
 
 
+def test_a_benchmark_runs_without_transformers_progress_bars():
+    """Every model a script loaded drew transformers' "Loading weights" bar among its measurements; the specdec
+    commands hide it (shown with -v), and so does run_main, which sets it back as it was afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    common = _script("common")
+    shown = []
+    hf_logging.enable_progress_bar()
+    with pytest.raises(SystemExit):
+        common.run_main(lambda: shown.append(hf_logging.is_progress_bar_enabled()))
+    assert shown == [False] and hf_logging.is_progress_bar_enabled()
+
+
 @pytest.mark.parametrize("cold, machine, said", [(True, False, "cold"), (False, True, "machine"),
                                                  (False, False, "run")])
 def test_guard_memory_names_where_the_runs_memory_started(cold, machine, said):
