@@ -30,6 +30,7 @@ PREFIX_ONLY_HELP = (
 
 TokenIds = tuple[int, ...]
 
+
 def check_processing_fields(repetition_penalty: Any = None, no_repeat_ngram_size: Any = None,
                             bad_words_ids: Any = None, min_new_tokens: Any = None, logits_processor: Any = None,
                             logits_processor_prefix_only: Any = False, min_length: Any = None,

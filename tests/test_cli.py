@@ -300,6 +300,7 @@ def test_a_tokenizer_that_does_not_load_is_not_called_missing(tmp_path, capsys):
     assert err.splitlines()[-1] == (f"specdec generate: error: the tokenizer of model {str(path)!r} could not be "
                                     "loaded (the warning above says why); the CLI needs one")
 
+
 def test_dtype_and_device_reach_the_model(ckpt, capsys):
     """--dtype bfloat16 runs the model in bf16 (its own greedy text, as the API gives it in bf16)."""
     rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--dtype", "bfloat16",
@@ -536,6 +537,7 @@ def test_the_text_stream_keeps_the_space_of_a_lone_sentencepiece_token_its_decod
         stream(0, [i])
     stream.finish()
     assert out.getvalue() == "hello world\n"
+
 
 def _summary(**fields) -> dict:
     return {"new_tokens": 24, "seconds": 2.0, "tokens_per_s": 12.0, "tau": 1.0, "steps": 24, "drafter": "none",

@@ -196,6 +196,7 @@ def test_a_tokenizer_that_is_not_the_models_is_named(capsys, tmp_path):
     line = error_line(err)
     assert rc == 2 and "the tokenizer and the model do not match" in line and "vocabulary of 40" in line, line
 
+
 def test_a_prompt_token_id_equal_to_the_vocabulary_size_names_the_mismatch(capsys, tmp_path):
     """The model's vocabulary is exactly the prompt's largest id: ids 0..v-1 exist, so id v is outside it."""
     from specdec.testing import build_tiny_model, build_tiny_tokenizer

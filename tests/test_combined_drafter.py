@@ -545,6 +545,7 @@ def test_an_eagle3_child_given_by_path_is_refused_before_the_cost_measurement(tm
         generate(target, [[1, 2, 3]], max_new_tokens=4, drafter="combined", drafter_options={"drafters": children},
                  speculation="auto")
 
+
 def test_a_scoreless_childs_tree_is_scored_by_its_level_rate_shared_among_siblings():
     combined = CombinedDrafter([Scripted([[1, 2]], "a"), Scripted([[3]], "b")])
     branched = DraftTree([5, 6, 7], [-1, -1, 0])  # two root children, one grandchild under 5

@@ -100,6 +100,7 @@ def test_a_drafter_the_guard_skipped_gets_every_row_committed_meanwhile(monkeypa
             ref = model.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
         torch.testing.assert_close(torch.cat(chunks), ref, atol=1e-4, rtol=1e-4)
 
+
 class Mutator(Drafter):
     """A careless plugin: it edits the tokens it was shown, then proposes nothing."""
 

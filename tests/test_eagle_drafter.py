@@ -573,6 +573,7 @@ def test_the_loss_pairs_each_query_with_the_token_and_feature_after_its_input():
     assert torch.equal(second_features[:, 0], torch.zeros_like(first_out[:, 0]))
     assert torch.equal(second_features[:, 1:], first_out[:, :-1])
 
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_weights_are_a_checkpoint_error(tmp_path, value):
     """A damaged or diverged checkpoint is named as one when it loads, not found later as NaN draft logits."""

@@ -1040,6 +1040,7 @@ def test_the_sampler_row_holds_holm_at_the_certificates_alpha_and_reports_its_we
     row = next(c for c in checks if c.name == "chi-square vs exact law (Holm)")
     assert (row.passed, row.power) == (passed, 0.5)
 
+
 @pytest.mark.parametrize("z, passed", [(3.9, True), (-3.9, True), (4.1, False), (-5.0, False)])
 def test_a_chain_tau_row_fails_at_four_standard_errors(monkeypatch, z, passed):
     """The chain row passes while the measured tau lies within 4 standard errors of (1 - a^5) / (1 - a): z = 3.9

@@ -57,6 +57,7 @@ def test_only_the_main_process_of_a_launch_holds_its_folder(tmp_path):
         with launch_writer(tmp_path, "--out", True, lambda value: value):
             pass
 
+
 def test_a_killed_holder_leaves_no_lock(tmp_path):
     code = (f"import sys, time; from specdec.folder_lock import only_writer\n"
             f"with only_writer({str(tmp_path)!r}, '--out'):\n    print('held', flush=True); time.sleep(60)")

@@ -169,6 +169,7 @@ def test_rope_write_norms_k_heads_with_their_own_eps_and_stores_an_unpacked_v():
     close(got_kv, want_kv, torch.float32)
     assert torch.equal(got_kv[0, 1, slots], v)
 
+
 def test_a_qwen3_model_on_the_triton_backend_gives_the_reference_logprobs(monkeypatch):
     """A packed Qwen3 layer (q_norm / k_norm) norms, rotates and stores q / k in the one fused launch on the Triton
     backend: its decoding's log-probabilities are the reference backend's, in float32."""

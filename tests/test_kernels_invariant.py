@@ -67,6 +67,7 @@ def test_linear_rounds_the_product_before_adding_the_bias(dtype):
     product = kernels.linear(x, w)  # the same sums, rounded to the dtype
     assert torch.equal(kernels.linear(x, w, bias), (product.float() + bias.float()).to(dtype))
 
+
 def _attention_case(dtype, rows: int, gen: torch.Generator):
     heads, kv_heads, dim, slots = 4, 2, 16, 200
     q = torch.randn(rows, heads, dim, generator=gen).to(dtype)

@@ -442,6 +442,7 @@ def test_a_partial_line_of_a_batch_before_the_first_prompt_is_dropped(tmp_path):
     assert kept_answers(tmp_path, "k", ids, 0) == {0: [1, 2, 9]}
     assert own.read_text() == json.dumps({"start": 0, "sequences": [[1, 2, 9]]}) + "\n"
 
+
 def _shared_distillation(cache_dir):
     """The shared self-distillation tests' data: a tiny model, 7 prompts (4 batches of 2), sampled with one seed,
     and one process's sequences for them (cached in ``cache_dir``)."""

@@ -334,6 +334,7 @@ def test_gradient_accumulation_and_processes_equal_one_larger_batch(tiny, tmp_pa
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert acc_loss == pytest.approx(big_loss, rel=1e-6) and two_loss == pytest.approx(big_loss, rel=1e-6)
 
+
 def _model_and_seqs(tiny):
     from transformers import AutoModelForCausalLM
 
@@ -849,6 +850,7 @@ def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
         assert together == [1, 1] and not hasattr(stopped.value, "processes_stopped_together")
         assert signal.getsignal(signal.SIGINT) is ctrl_c
 
+
 @pytest.mark.parametrize("disk_full", [False, True])
 def test_after_an_agreed_interrupt_every_process_learns_whether_the_main_one_saved(disk_full):
     """The main process saves once; every process learns whether it could (a full disk leaves the last checkpoint,
@@ -1339,6 +1341,7 @@ def test_an_interrupt_during_self_distillation_names_the_answers_kept(tiny, tmp_
         assert _what_is_left(tmp_path / "run", err).startswith(
             f"self-distillation kept the answers its processes finished{said}, so a rerun generates only the rest; ")
 
+
 @pytest.mark.parametrize("verbose", [False, True])
 def test_training_logs_info_to_the_console_with_v_only(tiny, tmp_path, verbose):
     """train-medusa printed its INFO lines without -v (the pipeline lowers the specdec logger to INFO for
@@ -1418,6 +1421,7 @@ def test_choose_tree_leaves_out_a_rank_never_right_even_with_budget_to_spare():
     anything ((0,) .6 and (0, 0) .3), the tree is those two, not padded with (1,) or (0, 1) at 0."""
     paths, est = choose_tree([[0.6, 0.0], [0.5, 0.0]], budget=4)
     assert paths == [(0,), (0, 0)] and est == pytest.approx(1 + 0.6 + 0.3)
+
 
 def _tiny_training_state():
     heads = MedusaHeads(MedusaConfig(2, 1, 16, 32))

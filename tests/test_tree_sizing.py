@@ -330,6 +330,7 @@ def test_a_drafter_without_a_catch_up_is_priced_by_its_first_call(fixed_costs, m
     generate(model, [prompt], max_new_tokens=8, drafter="self-draft", drafter_options={"num_layers": 1})
     assert recorded and not any(recorded)
 
+
 def test_never_pays_when_a_draft_forward_costs_a_decode_step_whatever_the_acceptance():
     assert TreeSizer(FLAT).never_pays(1.0)  # r = 1: L drafted tokens cost L steps + a verify, commit <= L + 1
     assert not TreeSizer(FLAT).never_pays(0.5)  # 1 + 1 > 0.5 + c(2) = 1.5: a chain of one could pay
