@@ -18,12 +18,12 @@ import collections
 import hashlib
 import json
 import logging
-from contextlib import contextmanager
 from pathlib import Path
 
 from specdec.eval.prompt_files import DuplicateKey, is_saved_dataset, unique_keys
 
 from specdec.errors import SpecdecError, first_line, lone_surrogate_at, not_utf8_at
+from specdec.log_levels import logger_at
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +72,6 @@ def _load_dataset(path: Path):
         raise
     except Exception as err:  # datasets raises many types for bad files
         raise TrainDataError(f"cannot read training data {path}: {_what_is_wrong(err)}") from err
-
-
-@contextmanager
-def logger_at(name: str, level: int):
-    """The logger ``name`` at ``level`` for the block, at its own level again after it."""
-    logger = logging.getLogger(name)
-    before = logger.level
-    logger.setLevel(level)
-    try:
-        yield
-    finally:
-        logger.setLevel(before)
 
 
 def _what_is_wrong(err: Exception) -> str:

@@ -26,7 +26,7 @@ from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells, acc
 from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.checkpoint import checkpoint_step, find_checkpoint
 from specdec.train.config import SELF_PROMPTS, TrainConfig
-from specdec.train.data import TrainDataError, load_texts, logger_at, split_held_out, tokenize_texts
+from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
 from specdec.train.distill import encode_prompt
 from specdec.train.evaluate import eval_prompts, say_few_eval_prompts
 from specdec.train.loop import number
@@ -40,6 +40,7 @@ from specdec.train.run_seconds import run_seconds, wall_time_line
 from specdec.atomic_write import write_json, write_text
 from specdec.errors import InputError, not_utf8_at
 from specdec.folder_lock import only_writer
+from specdec.log_levels import logger_at
 from specdec.models.fingerprint import model_fingerprint
 from specdec.output_dirs import check_creatable, make_dir
 from specdec.sigterm import sigterm_ends_at_once

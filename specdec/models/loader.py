@@ -31,7 +31,7 @@ import os
 import textwrap
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ import torch
 
 from specdec.errors import InputError, InputTypeError, ModelNotFoundError, closest
 from specdec.generation_config import LOAD_ARGUMENTS
+from specdec.log_levels import logger_at
 from specdec.models import checkpoint_files, embedded, runnable, synthetic
 from specdec.models.fused_projections import pack_projections
 from specdec.models.installed_versions import check_installed
@@ -139,8 +140,11 @@ def _tokenizer(path: Path, trust_remote_code: bool) -> Any:
     if not holds_tokenizer_files(path):
         logger.warning("no tokenizer loaded from %s: it %s; token ids only", path, NO_TOKENIZER_FILES)
         return None
+    # without protobuf, transformers' five lines blaming it (then tiktoken) came before the one line below
+    quiet = logger_at("transformers", logging.ERROR) if _needs_protobuf(path) else nullcontext()
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        with quiet:
+            return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a tokenizer.json it cannot parse
         # any failure leaves token ids, as a tokenizer that is not JSON does: one line, no traceback kept
         why = f"{type(err).__name__}: {textwrap.shorten(str(err), 300, placeholder=' ...')}"
