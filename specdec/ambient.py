@@ -15,7 +15,7 @@ no autograd graph is built, also for weights that require grad), the default dty
 with has an explicit dtype; transformers' sequence-bias processors, which make theirs in it, are prepared from
 float32 values: specdec/logits_processing.py), the thread count (the CPU row policy is kept per thread count),
 deterministic algorithms, matmul precision and ``torch.backends`` flags (the model's own forward runs under them
-too). Nothing here costs anything when neither setting is on. docs/getting-started.md lists every state checked.
+too). Nothing here costs anything when neither setting is on. docs/serving.md lists every state checked.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ A drafter keeps one call's state between its ``attach`` and the end of the call 
 per-sequence tables, its own model's KV cache), so two calls that draft with one object at once (two threads, or a
 streamer calling generate()) corrupt each other: a draft-model drafter died on a bare KeyError / IndexError. The
 second call is refused in one line instead; calls with their own drafter objects share one loaded model freely
-(docs/getting-started.md, "Serving: many calls, several threads"). A combined drafter's children are claimed with
+(docs/serving.md, "Many calls, several threads"). A combined drafter's children are claimed with
 it. Objects are held by identity (``id``) for the duration of the call only: nothing is kept after it.
 
 Graph caches kept on a model and reused by later calls (the target's, taken in specdec.engine_setup; a draft

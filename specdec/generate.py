@@ -24,7 +24,7 @@ input row as given followed by its new tokens (:class:`~specdec.output.OutputLay
 
 Streamers: ``streamer=fn`` gets ``fn(batch_index, tokens)`` as tokens are committed; an object with ``put()`` /
 ``end()`` is driven as transformers drives it (the prompt row, then each token as a ``[1]`` tensor, then
-``end()``, also on failure), for one sequence. Every field and option: docs/getting-started.md.
+``end()``, also on failure), for one sequence. Every field and option: docs/python-api.md.
 """
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ class GenerationConfig:
     and how speculation runs. Frozen; every field is checked when it is built (a one-line InputError /
     InputTypeError naming it, a misspelt name too). Only the fields given (``fields_set``) override the model's
     own generation_config in generate(); ``update()`` gives a changed copy. Field by field: the comments in
-    ``specdec/generation_config.py`` and docs/getting-started.md."""
+    ``specdec/generation_config.py`` and docs/python-api.md."""
 
     max_new_tokens: int = 128  # the default only when neither max_new_tokens nor max_length is set anywhere
     # prompt + new tokens, as transformers counts it (the prompt is input_ids.shape[-1], padding included; the

@@ -91,10 +91,10 @@ def test_json_summary(ckpt, capsys):
     assert summary["chat_template"] is False and summary["system"] is None  # the tiny tokenizer has no template
     assert summary["tokens_per_s"] > 0 and summary["seconds"] > 0
     assert not SUMMARY.match(err)  # --json replaces the plain line
-    page = (Path(__file__).parents[1] / "docs" / "getting-started.md").read_text()
+    page = (Path(__file__).parents[1] / "docs" / "command-line.md").read_text()
     table = page[page.index("| `--json` field |"):].split("\n\n")[0].splitlines()[2:]
     documented = {f for row in table for f in re.findall(r"`(\w+)`", row.split(" | ")[0])}
-    assert documented == set(summary), "getting-started's table of --json fields lists every field, and no other"
+    assert documented == set(summary), "the command line page's table of --json fields lists every field, and no other"
 
 
 def test_sampling_warper_flags_reach_generate(ckpt, capsys):

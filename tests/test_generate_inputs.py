@@ -162,7 +162,7 @@ def test_ragged_lists_take_a_ragged_mask():
 
 
 def test_a_numpy_array_is_read_as_lists_are():
-    """docs/getting-started.md: a numpy array (transformers' generate() takes none) gives lists, and without a mask
+    """docs/python-api.md: a numpy array (transformers' generate() takes none) gives lists, and without a mask
     its pad ids are tokens; a tensor's are padding, as transformers infers them."""
     ids = np.array([[0, 0, 3, 4], [7, 8, 9, 10]])  # the pad id 0 (the model's) left-pads row 0
     assert _model().generation_config.pad_token_id == 0
