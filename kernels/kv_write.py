@@ -47,6 +47,9 @@ def _compact_kernel(KV, Src, Dst, num_pairs, stride_plane, stride_slot, WIDTH: t
         tl.store(plane + dst * stride_slot + cols, row, mask=ok)
 
 
+# the launches say enable_fp_fusion (False: a copy has no product and sum to fuse), as tree_attention.FP_FUSION
+
+
 def _block_w(width: int) -> int:
     return min(1024, next_power_of_2(width))
 
@@ -73,7 +76,8 @@ def write_kv(kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
     k, v, dst = _rows(k, "k"), _rows(v, "v"), kv[layer, 0]
     rows = launch_rows.rows_per_program(kv.device, n)
     _write_kernel[(cdiv(n, rows), cdiv(width, bw))](k, v, dst, slots, k.stride(0), v.stride(0), kv.stride(1),
-                                                    kv.stride(2), n, WIDTH=width, ROWS=rows, BLOCK_W=bw)
+                                                    kv.stride(2), n, WIDTH=width, ROWS=rows, BLOCK_W=bw,
+                                                    enable_fp_fusion=False)
 
 
 def compact_kv(kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -92,4 +96,4 @@ def compact_kv(kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tenso
     src = src_slots.to(device=kv.device, dtype=torch.int32)
     dst = dst_slots.to(device=kv.device, dtype=torch.int32)
     _compact_kernel[(kv.shape[0] * 2, cdiv(width, bw))](kv, src, dst, n, kv.stride(1), kv.stride(2),
-                                                        WIDTH=width, BLOCK_W=bw)
+                                                        WIDTH=width, BLOCK_W=bw, enable_fp_fusion=False)

@@ -47,6 +47,10 @@ MERGE_IN_KERNEL_MAX = 32 * 128
 # largest head_dim the kernel takes: up to 512 its tiles compile for sm_90 without spilling registers
 # (python -m specdec.kernels.compile_check); at 1024 even the smallest float32 tile spills 1.6 KB per thread
 MAX_HEAD_DIM = 512
+# a product and a sum contracted into one FMA, as Triton compiled these kernels by default up to 3.9 (where every GPU
+# measurement of docs/gpu was made); said at each launch: Triton 3.9 warns of a launch that leaves it unsaid, and 3.10
+# turns the default off
+FP_FUSION = True
 _BIT_WEIGHTS = torch.ones(MAX_TREE_NODES, dtype=torch.long) << torch.arange(MAX_TREE_NODES)  # bit 63 wraps: ok
 
 
@@ -541,7 +545,7 @@ def tree_attention(
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         PAGE_SIZE=meta.page_size, num_splits=launch.num_splits, masked_split=launch.num_splits if split else 0,
         SPLIT=split, MERGE_IN_KERNEL=launch.merge_in_kernel, OFF64=max(k_cache.numel(), v_cache.numel()) >= 2**31,
-        num_warps=launch.num_warps, MIN_CHUNK=launch.min_chunk, **cfg,
+        num_warps=launch.num_warps, MIN_CHUNK=launch.min_chunk, enable_fp_fusion=FP_FUSION, **cfg,
     )
     if split and not launch.merge_in_kernel:
         num_seqs = meta.q_lens.numel()
@@ -549,7 +553,7 @@ def tree_attention(
             part_o, part_lse, out, meta.q_starts, meta.q_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
             num_parts=parts, num_seqs=num_seqs, BLOCK_S=next_power_of_2(parts), BLOCK_B=MERGE_SEQS,
-            HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"],
+            HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"], enable_fp_fusion=FP_FUSION,
         )
     return out
 

@@ -81,6 +81,23 @@ def test_the_check_covers_what_the_engine_launches():
     assert found("rope+kv write bf16 llama8b", "HAS_NORM=False")
 
 
+FP_FUSION_SAID = """
+from specdec.kernels.compile_check import record
+print(sorted({la.kernel_name for la in record() if "enable_fp_fusion" not in la.options}))
+"""
+
+
+def test_every_launch_says_whether_products_and_sums_fuse():
+    """Triton 3.9 warns at the first compile of a launch that leaves ``enable_fp_fusion`` unsaid (every GPU run's
+    first step showed a UserWarning about TRITON_DEFAULT_FP_FUSION), and 3.10 turns fusion off by default: a kernel
+    that left it unsaid would change its rounding with the Triton installed. Every recorded launch says it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-P", "-c", FP_FUSION_SAID], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", f"launches that leave enable_fp_fusion unsaid: {proc.stdout.strip()}"
+
+
 @pytest.mark.parametrize("variant", ["qwen3-qknorm", "llama-gqa-tied"])
 def test_the_checked_q_is_laid_out_as_the_runner_passes_it(variant, monkeypatch):
     """Triton specialises a kernel on its strides (equal to 1, divisible by 16), so the check builds q as the
