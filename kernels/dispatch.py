@@ -7,7 +7,7 @@ forward, KV write and compaction uses it without looking again. The choice:
 * ``auto`` (default): Triton kernels for a CUDA device when triton is installed, else the reference.
 * ``reference``: always the PyTorch reference (``specdec.attention`` / ``PagedKVCache``).
 * ``triton``: always the kernels; on a CPU device this needs ``TRITON_INTERPRET=1`` set before
-  triton is first imported (the interpreter; how the tests check the kernel path).
+  the kernel modules are first imported (the interpreter; how the tests check the kernel path).
 
 It comes from the ``backend=`` argument of the runner / cache, else from the environment variable
 ``SPECDEC_ATTENTION`` at that moment. A generate() call builds its cache with its runner's backend,
@@ -91,9 +91,29 @@ def resolve_backend(device: torch.device | str, choice: str | Backend | None = N
         return REFERENCE
     if not triton_available():
         raise BackendError(f"{ENV_VAR}=triton but triton is not installed (pip install 'specdec[kernels]')")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+    backend = _triton_backend()
+    if device.type != "cuda" and not all(_interpreted(backend)):
+        value = os.environ.get("TRITON_INTERPRET")
+        if value is None or value.strip().lower() in ("", "0", "false", "off", "no", "n"):
+            raise BackendError(
+                f"the Triton backend on {device} needs a CUDA device, or TRITON_INTERPRET=1 (set before specdec's "
+                "kernels are imported) to run the kernels in the Triton interpreter"
+            )
         raise BackendError(
-            f"the Triton backend on {device} needs a CUDA device, or TRITON_INTERPRET=1 (set before triton is "
-            "imported) to run the kernels in the Triton interpreter"
+            f"the Triton backend on {device}: TRITON_INTERPRET={value} is set, but specdec's kernels were imported "
+            "before it was (or this triton does not read it as on) and would run compiled for a GPU: set "
+            "TRITON_INTERPRET=1 before anything imports them"
         )
-    return _triton_backend()
+    return backend
+
+
+def _interpreted(backend: Backend) -> list[bool]:
+    """For each Triton function of the backend's kernel modules (the helpers they import included): whether the
+    interpreter runs it. Triton decides when a function is decorated, by TRITON_INTERPRET as its release reads it
+    then; a module imported before the variable was set runs compiled, and mixed with interpreted ones, fails."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import KernelInterface
+
+    modules = (backend.attention, backend.kv, backend.fused, backend.invariant)
+    return [isinstance(fn, InterpretedFunction) for module in modules for fn in vars(module).values()
+            if isinstance(fn, KernelInterface)]

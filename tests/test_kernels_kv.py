@@ -5,6 +5,8 @@ Interpreter on CPU (TRITON_INTERPRET=1), natively when a GPU is present.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 from specdec.kernels.testing import kernel_device
@@ -17,7 +19,7 @@ SPECULATION = "auto" if DEVICE == "cuda" else "always"
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from specdec.kernels.dispatch import BackendError, requested, resolve_backend  # noqa: E402
+from specdec.kernels.dispatch import requested, resolve_backend  # noqa: E402
 from specdec.kernels.kv_write import compact_kv, write_kv  # noqa: E402
 
 from specdec.kv_cache import PagedKVCache  # noqa: E402
@@ -173,14 +175,45 @@ def test_dispatch_switch(backend_env):
         resolve_backend(DEVICE, "nope")
 
 
-def test_forced_triton_on_cpu_without_interpreter_is_refused(backend_env, monkeypatch):
+INTERPRETER_ORDER = """
+import os, sys
+from specdec.kernels.dispatch import BackendError, resolve_backend
+
+for value in sys.argv[1:]:  # TRITON_INTERPRET at each call; the first call imports the kernels
+    os.environ["TRITON_INTERPRET"] = value
+    try:
+        resolve_backend("cpu", "triton")
+        print("accepted")
+    except BackendError as e:
+        print("refused:", e)
+"""
+
+
+def interpreter_order(*values: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SPECDEC_ATTENTION")}
+    proc = subprocess.run([sys.executable, "-P", "-c", INTERPRETER_ORDER, *values], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
+def test_forced_triton_on_cpu_is_refused_unless_its_kernels_run_in_the_interpreter():
+    """Triton decides when a kernel is decorated: without TRITON_INTERPRET the kernels are refused on CPU in one line;
+    set after specdec's kernel modules were imported they would run compiled for a GPU, mixed with kernels imported
+    later in the interpreter (InterpreterError: "Cannot call @triton.jit'd outside of the scope of a kernel" at the
+    first forward): refused too, naming the order. Any value this triton reads as on (TRITON_INTERPRET=yes) works."""
     if DEVICE != "cpu":
         pytest.skip("CPU-only check")
-    backend_env("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(BackendError, match="TRITON_INTERPRET"):
-        resolve_backend("cpu")
-    assert os.environ["SPECDEC_ATTENTION"] == "triton"
+    unset, late = interpreter_order("0", "1")
+    assert unset.startswith("refused:") and "needs a CUDA device, or TRITON_INTERPRET=1" in unset, unset
+    assert late.startswith("refused:") and "TRITON_INTERPRET=1 is set, but specdec's kernels were imported" in late
+    script = ("from triton.runtime.interpreter import InterpretedFunction; from specdec.kernels import launch_rows; "
+              "print(isinstance(launch_rows.token_rows, InterpretedFunction))")
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TRITON_INTERPRET": "yes"}
+    reads_yes = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env,
+                               timeout=300).stdout.strip() == "True"
+    (answer,) = interpreter_order("yes")
+    assert answer == "accepted" if reads_yes else answer.startswith("refused:"), (reads_yes, answer)
 
 
 def test_backend_is_chosen_once_when_runner_and_cache_are_built(backend_env, tiny_model):
