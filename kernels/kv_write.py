@@ -6,7 +6,8 @@
   layers, K and V, in ONE launch (the data movement of ``PagedKVCache.commit``).
 
 Both treat a slot's ``num_kv_heads * head_dim`` values as one contiguous row; programs own a
-column chunk of that row, so the copy is coalesced.
+column chunk of that row, so the copy is coalesced. Launched with ``enable_fp_fusion=False`` (said, as every
+kernel's launch says it: a copy has no product and sum to fuse).
 """
 from __future__ import annotations
 
@@ -45,9 +46,6 @@ def _compact_kernel(KV, Src, Dst, num_pairs, stride_plane, stride_slot, WIDTH: t
         dst = tl.load(Dst + i).to(tl.int64)
         row = tl.load(plane + src * stride_slot + cols, mask=ok)
         tl.store(plane + dst * stride_slot + cols, row, mask=ok)
-
-
-# the launches say enable_fp_fusion (False: a copy has no product and sum to fuse), as tree_attention.FP_FUSION
 
 
 def _block_w(width: int) -> int:
