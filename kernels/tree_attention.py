@@ -266,34 +266,31 @@ def _merge_kernel(PartO, PartLse, Out, QStarts, QLens, stride_ps, stride_pt, str
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-def _mask_bits(mask: torch.Tensor, seq: int, known_lead: int = 0) -> tuple[int, int, torch.Tensor]:
+def _mask_bits(mask: torch.Tensor, seq: int) -> tuple[int, int, torch.Tensor]:
     """(lead, tree_mode, bits [n] int64) for an [n, m] bool mask of a sequence's n queries over its last m keys.
 
     ``lead`` columns join the unmasked prefix (every query sees them), the ``m - lead`` after them are the
-    masked keys. The first ``known_lead`` columns are known to be all-visible and are not read.
-    Up to 64 columns after them: tree mode, no host sync. Wider: a lower-triangular mask over exactly the new
+    masked keys. Up to 64 columns: tree mode, no host sync. Wider: a lower-triangular mask over exactly the new
     tokens stays causal; otherwise the leading columns visible to every query also join the prefix (the
     root of a 64-node tree, a model drafter's committed keys) and the rest must fit in 64 bits. These
     checks sync with the device, only for such wide masks.
     """
     n, m = mask.shape
-    width = m - known_lead
     weights = _bit_weights(mask.device)
-    if width <= MAX_TREE_NODES:
-        return known_lead, 1, (mask[:, known_lead:].long() * weights[:width]).sum(-1)
-    host = mask[:, known_lead:].cpu()
-    if width == n and torch.equal(host, torch.ones(n, n, dtype=torch.bool).tril()):
-        return known_lead, 0, torch.zeros(n, dtype=torch.long, device=mask.device)
+    if m <= MAX_TREE_NODES:
+        return 0, 1, (mask.long() * weights[:m]).sum(-1)
+    host = mask.cpu()
+    if m == n and torch.equal(host, torch.ones(n, n, dtype=torch.bool).tril()):
+        return 0, 0, torch.zeros(n, dtype=torch.long, device=mask.device)
     lead = 0
     all_cols = host.all(0).tolist()
-    while lead < width and all_cols[lead]:
+    while lead < m and all_cols[lead]:
         lead += 1
-    if width - lead > MAX_TREE_NODES:
+    if m - lead > MAX_TREE_NODES:
         raise ValueError(
             f"sequence {seq}: a non-causal mask needs <= {MAX_TREE_NODES} key columns after the leading ones "
-            f"visible to every query (it has {width - lead} of {m}); the tree kernel's ancestor mask is 64 bits"
+            f"visible to every query (it has {m - lead} of {m}); the tree kernel's ancestor mask is 64 bits"
         )
-    lead += known_lead
     return lead, 1, (mask[:, lead:].long() * weights[: m - lead]).sum(-1)
 
 
