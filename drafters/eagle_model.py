@@ -208,6 +208,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _mismatch(want: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> str:
+    """What keeps ``state`` from loading into a model whose tensors are ``want`` (names and shapes), in one line;
+    "" when it loads."""
+    def names(keys: list[str]) -> str:
+        return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+    missing = [k for k in want if k not in state]
+    unexpected = sorted(k for k in state if k not in want)
+    shapes = [f"{k} is {list(state[k].shape)} where the config makes {list(want[k].shape)}"
+              for k in want if k in state and state[k].shape != want[k].shape]
+    parts = ([f"tensors the config expects are missing: {names(missing)}"] if missing else []) + (
+        [f"tensors the config does not make: {names(unexpected)}"] if unexpected else []) + shapes[:2]
+    return "; ".join(parts)
+
+
 class EagleModel(nn.Module):
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
@@ -245,6 +260,9 @@ class EagleModel(nn.Module):
         is computed only to be overwritten (28 ms per load on 2 CPU cores, paid by every generate() call)."""
         with torch.device("meta"):
             model = cls(config)
+        mismatch = _mismatch(model.state_dict(), state)
+        if mismatch:  # one line naming the tensors (torch's own message names none on its first line)
+            raise RuntimeError(mismatch)
         model.load_state_dict(state, strict=True, assign=True)
         return model
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -276,6 +277,23 @@ def test_heads_for_another_target_and_inconsistent_maps_are_refused(tmp_path, ta
     (tmp_path / "v" / "model.safetensors").rename(tmp_path / "v" / "pytorch_model.bin")
     with pytest.raises(EagleCheckpointError, match="pickle"):
         load_eagle(tmp_path / "v", target.config)
+
+
+def test_weights_that_do_not_fit_the_config_are_named(tmp_path, target):
+    """A head whose tensors did not fit its config was refused as "the weights do not match config.json (Error(s) in
+    loading state_dict for EagleModel:)", torch's first line, naming no tensor: the missing, the unexpected and the
+    misshapen ones are named, by load_eagle and export-head alike."""
+    sd = write_sglang_checkpoint(tmp_path / "h")
+    del sd["midlayer.mlp.up_proj.weight"]
+    sd["midlayer.self_attn.q_proj.bias"] = torch.zeros(H)
+    sd["fc.weight"] = torch.zeros(H, 2 * H)
+    save_file(sd, str(tmp_path / "h" / "model.safetensors"))
+    why = ("tensors the config expects are missing: layers.0.mlp.up_proj.weight; tensors the config does not make: "
+           "layers.0.self_attn.q_proj.bias; fc.weight is [64, 128] where the config makes [64, 192]")
+    with pytest.raises(EagleCheckpointError, match=re.escape(f"the weights do not match config.json ({why})")):
+        load_eagle(tmp_path / "h", target.config)
+    with pytest.raises(EagleCheckpointError, match=re.escape(f"the weights do not match config.json ({why})")):
+        export_head(tmp_path / "h", "speculators", tmp_path / "out", target="unchecked-target")
 
 
 def test_sglang_layer_ids_name_layer_outputs(tmp_path):
