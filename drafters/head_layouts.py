@@ -144,6 +144,11 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
                                                                for k in state):
         raise EagleCheckpointError(f"{where}: the head has {layer.get('num_hidden_layers')} draft layers; specdec "
                                    "runs EAGLE-3 heads of one layer")
+    qk_norms = sorted(k for k in state if k.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")))
+    if qk_norms:  # speculators' draft_arch qwen3 (vLLM: Eagle3Qwen3ForCausalLM); not a damaged checkpoint
+        raise EagleCheckpointError(f"{where}: the draft layer norms its queries and keys ({', '.join(qk_norms)}), a "
+                                   "Qwen3 decoder layer as speculators builds with draft_arch qwen3; specdec runs "
+                                   "EAGLE-3 heads of a Llama layer, without q_norm / k_norm")
     tensors = _native_keys(state)
     try:
         hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])

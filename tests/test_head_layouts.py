@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle, save_eagle
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.drafters.export_head import export_head
+from specdec.drafters.head_layouts import write_eagle3
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
 
 from specdec.cli import main
@@ -294,6 +295,30 @@ def test_weights_that_do_not_fit_the_config_are_named(tmp_path, target):
         load_eagle(tmp_path / "h", target.config)
     with pytest.raises(EagleCheckpointError, match=re.escape(f"the weights do not match config.json ({why})")):
         export_head(tmp_path / "h", "speculators", tmp_path / "out", target="unchecked-target")
+
+
+def test_a_qwen3_draft_layer_is_refused_for_what_it_is(tmp_path, target, capsys):
+    """speculators builds EAGLE-3 heads of a Qwen3 decoder layer (draft_arch qwen3: q_norm / k_norm over the heads'
+    queries and keys, which vLLM runs as Eagle3Qwen3ForCausalLM); specdec's layer has no such norms, and such a head
+    was refused as weights that do not match config.json, as if damaged."""
+    torch.manual_seed(0)
+    head = EagleModel(EagleConfig.for_target(target.config, arch="eagle3", draft_vocab=tuple(range(0, V, 2))))
+    src = tmp_path / "q"
+    write_eagle3(head, src, "speculators", "some/qwen3-target")
+    raw = json.loads((src / "config.json").read_text())
+    raw["transformer_layer_config"]["model_type"] = "qwen3"
+    (src / "config.json").write_text(json.dumps(raw))
+    sd = load_file(str(src / "model.safetensors"))
+    hd = head.config.head_dim
+    sd["layers.0.self_attn.q_norm.weight"], sd["layers.0.self_attn.k_norm.weight"] = torch.ones(hd), torch.ones(hd)
+    save_file(sd, str(src / "model.safetensors"))
+    why = ("the draft layer norms its queries and keys (layers.0.self_attn.k_norm.weight, "
+           "layers.0.self_attn.q_norm.weight), a Qwen3 decoder layer")
+    with pytest.raises(EagleCheckpointError, match=re.escape(why)):
+        load_eagle(src, target.config)
+    assert main(["export-head", str(src), "--format", "sglang", "--output-dir",
+                 str(tmp_path / "out")]) != 0
+    assert why in capsys.readouterr().err
 
 
 def test_sglang_layer_ids_name_layer_outputs(tmp_path):
