@@ -35,7 +35,7 @@ from specdec.drafters.eagle_rope import config_entries, read_rope
 from specdec.atomic_write import save_tensors, write_json
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
-UNSUPPORTED_SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE 3.1's: _layer_config
 FORMATS = ("speculators", "sglang")
 
 logger = logging.getLogger(__name__)
@@ -55,13 +55,17 @@ def is_eagle_layer(raw: dict, state: dict[str, torch.Tensor]) -> bool:
     return is_eagle3(raw, state) or "fc.weight" in state or "specdec_eagle" in raw
 
 
-def _layer_config(raw: dict) -> dict:
-    if "transformer_layer_config" in raw:  # speculators
-        for flag in UNSUPPORTED_SPECULATORS_FLAGS:
-            if raw.get(flag):
-                raise EagleCheckpointError(f"the head sets {flag}=true, an EAGLE-3 variant specdec does not run")
-        return dict(raw["transformer_layer_config"] or {})
-    return raw
+def _layer_config(raw: dict, where: str) -> dict:
+    """The draft layer's config; EAGLE 3.1's variants are refused in any layout: vLLM reads their flags from a
+    speculators config and a Llama-style one alike (norm_before_fc also in eagle_config), and norm_output has no
+    tensor of its own, so a head read without it would draft with another feedback, unsaid."""
+    layer = dict(raw["transformer_layer_config"] or {}) if "transformer_layer_config" in raw else raw  # speculators
+    for source in (raw, raw.get("eagle_config"), layer):
+        for flag in UNSUPPORTED_FLAGS:
+            if isinstance(source, dict) and source.get(flag):
+                raise EagleCheckpointError(f"{where}: the head sets {flag}=true, an EAGLE-3 variant (EAGLE 3.1's) "
+                                           "specdec does not run")
+    return layer
 
 
 def layer_model_type(raw: dict) -> str | None:
@@ -139,7 +143,7 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
                 ) -> tuple[EagleConfig, dict]:
     """The EagleConfig and specdec-named tensors of an EAGLE-3 head in any layout above (``target_config``: the
     target's transformers config, for the default layer ids; None: the head must name them)."""
-    layer = _layer_config(raw)
+    layer = _layer_config(raw, where)
     if int(layer.get("num_hidden_layers", 1) or 1) != 1 or any(k.startswith(("layers.1.", "model.layers.1."))
                                                                for k in state):
         raise EagleCheckpointError(f"{where}: the head has {layer.get('num_hidden_layers')} draft layers; specdec "

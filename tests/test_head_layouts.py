@@ -321,6 +321,26 @@ def test_a_qwen3_draft_layer_is_refused_for_what_it_is(tmp_path, target, capsys)
     assert why in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["norm_output", "norm_before_fc", "fc_norm"])
+def test_eagle31_variants_are_refused_in_every_layout(tmp_path, target, flag):
+    """EAGLE 3.1's variants (norm_output: post-norm feedback, no tensor of its own; norm_before_fc / fc_norm: norms
+    before fc) were refused in the speculators layout only, and a Llama-style config setting them, whose flags vLLM
+    reads too (norm_before_fc also in eagle_config), loaded as plain EAGLE-3 and drafted with another feedback or
+    features, unsaid."""
+    write_sglang_checkpoint(tmp_path / "s")
+    export_head(tmp_path / "s", "speculators", tmp_path / "v", target="unchecked-target")
+    why = f"the head sets {flag}=true, an EAGLE-3 variant (EAGLE 3.1's) specdec does not run"
+    for head, place in (("s", None), ("s", "eagle_config"), ("v", None)):
+        raw = json.loads((tmp_path / head / "config.json").read_text())
+        plain = json.loads(json.dumps(raw))
+        (raw[place] if place else raw)[flag] = True
+        (tmp_path / head / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(EagleCheckpointError, match=re.escape(f"{tmp_path / head}: {why}")):
+            load_eagle(tmp_path / head, target.config)
+        (tmp_path / head / "config.json").write_text(json.dumps(plain))
+        load_eagle(tmp_path / head, target.config)  # the same head without the flag loads
+
+
 def test_sglang_layer_ids_name_layer_outputs(tmp_path):
     """SGLang's eagle_config ids are layer outputs (its default capture, the streams entering 2, L // 2 and L - 3,
     is ids 1, L // 2 - 1, L - 4); speculators' / vLLM's top-level ids are the streams entering those layers."""
