@@ -8,9 +8,11 @@ Checkpoints that ship MTP layers beside a Llama-family decoder keep them in the 
 
 * MiMo-style ``model.mtp_layers.{i}.``: ``token_layernorm``, ``hidden_layernorm``, ``input_proj``,
   ``final_layernorm``, and a decoder layer (``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``,
-  ``mlp.*``);
-* DeepSeek-style ``model.layers.{L + i}.`` (after the L decoder layers): ``enorm``, ``hnorm``, ``eh_proj``,
-  ``shared_head.norm``, and the decoder layer's tensors (``embed_tokens`` / ``shared_head.head``: the target's).
+  ``mlp.*``); ``input_proj`` reads cat(hidden, embedding) (MiMo's modeling code, vLLM's mimo_mtp.py), so its
+  column halves are swapped into specdec's order;
+* DeepSeek-style ``model.layers.{L + i}.`` (after the L decoder layers): ``enorm``, ``hnorm``, ``eh_proj``
+  (reading cat(embedding, hidden), specdec's order), ``shared_head.norm``, and the decoder layer's tensors
+  (``embed_tokens`` / ``shared_head.head``: the target's).
 
 Both map onto :class:`~specdec.drafters.eagle_model.EagleModel` with ``arch="mtp"``, which the EAGLE drafter runs:
 catch-up over committed positions, EAGLE-2 tree growth, reranking, exact verification.
@@ -108,6 +110,8 @@ def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0, targe
                     elif rest.startswith(LAYER_PARTS):
                         state["layers.0." + rest] = f.get_tensor(key).clone()
         if "fc.weight" in state:
+            if layout == "MiMo":  # input_proj reads cat(hidden, embedding); specdec's fc, as eh_proj, the reverse
+                state["fc.weight"] = torch.cat(state["fc.weight"].chunk(2, dim=1)[::-1], dim=1).contiguous()
             return state, layout
     held = _held_layers(files, num_layers)
     if held:  # a layer= past the ones it has: not a checkpoint without MTP layers

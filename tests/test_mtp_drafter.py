@@ -28,12 +28,15 @@ from specdec.testing import build_tiny_model, ragged_prompts
 H, HEADS, KV, INTER = 64, 4, 2, 128
 
 
-def mtp_tensors(seed: int, target) -> dict[str, torch.Tensor]:
+def mtp_tensors(seed: int, target, layout: str) -> dict[str, torch.Tensor]:
     """An MTP layer in MiMo's names (without the model.mtp_layers.0. prefix), from random tensors: the target's
-    last layer (so its drafts agree with the target now and then) with random projections and norms."""
+    last layer (so its drafts agree with the target now and then) with random projections and norms. input_proj's
+    columns are in the layout's order: MiMo's reads cat(hidden, embedding), DeepSeek's eh_proj cat(embedding,
+    hidden) (MiMo's modeling_mimo.py and vLLM's mimo_mtp.py / deepseek_mtp.py)."""
     g = torch.Generator().manual_seed(seed)
     last = {k: v.detach().clone() for k, v in target.model.layers[-1].state_dict().items()}
-    eye = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1)  # input_proj passes the hidden half through
+    halves = [torch.eye(H), torch.zeros(H, H)] if layout == "mimo" else [torch.zeros(H, H), torch.eye(H)]
+    eye = torch.cat(halves, dim=1)  # input_proj passes the hidden half through
     return {"token_layernorm.weight": torch.ones(H), "hidden_layernorm.weight": torch.ones(H) + 0.05 * torch.randn(
         H, generator=g), "input_proj.weight": eye + 0.02 * torch.randn(H, 2 * H, generator=g),
         "final_layernorm.weight": target.model.norm.weight.detach().clone(),
@@ -43,7 +46,7 @@ def mtp_tensors(seed: int, target) -> dict[str, torch.Tensor]:
 def write_target_with_mtp(path, layout: str, seed: int = 0, vocab_size: int = 96):
     target = build_tiny_model(vocab_size=vocab_size, seed=seed)
     target.save_pretrained(path)
-    mtp = mtp_tensors(seed, target)
+    mtp = mtp_tensors(seed, target, layout)
     weights = load_file(str(path / "model.safetensors"))
     if layout == "mimo":
         weights.update({f"model.mtp_layers.0.{k}": v for k, v in mtp.items()})
@@ -60,12 +63,13 @@ def write_target_with_mtp(path, layout: str, seed: int = 0, vocab_size: int = 96
     return target, mtp
 
 
-def reference_mtp_logits(mtp, target, ids: torch.Tensor, hidden: torch.Tensor, positions, eps=1e-6):
+def reference_mtp_logits(mtp, target, ids: torch.Tensor, hidden: torch.Tensor, positions, layout, eps=1e-6):
     """One causal block through the MTP layer, from its published design: logits [L, V]."""
     rms = lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731
     hd = H // HEADS
-    e = target.model.embed_tokens.weight[ids].detach()
-    x = torch.cat([rms(e, mtp["token_layernorm.weight"]), rms(hidden, mtp["hidden_layernorm.weight"])], -1)
+    e = rms(target.model.embed_tokens.weight[ids].detach(), mtp["token_layernorm.weight"])
+    h = rms(hidden, mtp["hidden_layernorm.weight"])
+    x = torch.cat([h, e] if layout == "mimo" else [e, h], -1)  # MiMo: hidden first; DeepSeek: embedding first
     x = x @ mtp["input_proj.weight"].T
     a = rms(x, mtp["input_layernorm.weight"])
     L = a.shape[0]
@@ -100,7 +104,7 @@ def test_the_layer_read_from_the_target_checkpoint_gives_the_reference_logits(tm
     out, _, _ = model(target.model.embed_tokens.weight[ids].detach()[None], model.fuse(hidden[None]), pos,
                       torch.ones(1, len(ids), len(ids), dtype=torch.bool).tril())
     got = model.logits(out[0], target.lm_head.weight.detach())
-    torch.testing.assert_close(got, reference_mtp_logits(mtp, target, ids, hidden, pos), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference_mtp_logits(mtp, target, ids, hidden, pos, layout), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["mimo", "deepseek"])
