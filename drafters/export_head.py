@@ -96,9 +96,12 @@ def _check_output_dir(out: Path, overwrite: bool) -> None:
 def _target(recorded: str, given: str | None, src: Path) -> tuple[str, str]:
     """The target the export names (``--target`` as other tools resolve it: a local path made absolute), and how to
     name it in an error."""
-    from specdec.models.loader import model_reference
+    from specdec.models.loader import model_reference, path_like
 
     if given:
+        if path_like(given) and not Path(given).expanduser().exists():  # else the export names a missing target
+            raise InputError(f"export-head: --target {given} does not exist: give the target's checkpoint directory, "
+                             "or its hub id (org/name)")
         return model_reference(given), f"--target {given}"
     if not recorded:
         raise InputError(f"export-head: {src} records no target model; name it with --target (hub id or path)")

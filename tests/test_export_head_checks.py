@@ -90,6 +90,21 @@ def test_a_relative_local_target_is_recorded_as_an_absolute_path(tmp_path, monke
         "speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
 
 
+@pytest.mark.parametrize("given", ["./tiny-typo", "~/no-such-target", "runs/2024/tiny"])
+def test_a_target_path_that_does_not_exist_is_refused(tmp_path, monkeypatch, capsys, given):
+    """--target ./tiny-typo, which no hub id can be, was exported with a warning that it went unchecked, into a
+    config naming a target no engine finds (and relative, so found from no other directory either)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_sglang_checkpoint(tmp_path / "src")
+    _medusa(tmp_path / "m")
+    for src, fmt in (("src", "speculators"), ("m", "vllm")):
+        assert main(["export-head", src, "--format", fmt, "--output-dir", "out", "--target", given]) == 2
+        assert capsys.readouterr().err == (f"specdec export-head: error: --target {given} does not exist: give the "
+                                           "target's checkpoint directory, or its hub id (org/name)\n")
+        assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("fmt", ["speculators", "sglang", "vllm"])
 def test_a_write_the_output_folder_refuses_is_one_line(tmp_path, capsys, monkeypatch, fmt):
     """An --output-dir that refuses writes (EPERM: chattr +i) gave safetensors' SafetensorError as a traceback,

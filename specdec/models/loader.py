@@ -62,6 +62,12 @@ class LoadedModel:
     source: str = ""  # a reference other tools can resolve: hub id or absolute path (model_reference)
 
 
+def path_like(spec: str) -> bool:
+    """Whether ``spec`` can only be a local path, never a hub id (``org/name`` or a bare name): it starts with
+    ``.``, ``/`` or ``~``, or has more than one ``/``."""
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1
+
+
 def model_reference(spec: str) -> str:
     """What to record as a drafter checkpoint's ``base_model_name_or_path`` for the model ``spec`` names: an
     existing local path as an absolute path, the embedded default's aliases as its hub id, anything else (a hub
@@ -285,7 +291,7 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
             raise InputError(f"model {spec!r} is a file, not a checkpoint directory: pass the directory that holds "
                              f"config.json and the weights ({p.resolve().parent}?), or a .gguf file")
         else:
-            hub = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))  # "org/name": a hub id?
+            hub = spec.count("/") == 1 and not path_like(spec)  # "org/name": a hub id?
             hint = (f"; specdec never downloads: fetch it first (hf download {spec} --local-dir DIR) and pass DIR"
                     if hub else " (nothing is downloaded)")
             raise ModelNotFoundError(
