@@ -35,7 +35,8 @@ from specdec.drafters.eagle_rope import config_entries, read_rope
 from specdec.atomic_write import save_tensors, write_json
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
-UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # EAGLE 3.1's: _layer_config
+# EAGLE 3.1's (_layer_config); use_aux_norm: SGLang's older name of fc_norm (tensors aux_norm_low / _mid / _high)
+UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output", "use_aux_norm")
 FORMATS = ("speculators", "sglang")
 
 logger = logging.getLogger(__name__)

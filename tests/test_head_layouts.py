@@ -321,12 +321,12 @@ def test_a_qwen3_draft_layer_is_refused_for_what_it_is(tmp_path, target, capsys)
     assert why in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["norm_output", "norm_before_fc", "fc_norm"])
+@pytest.mark.parametrize("flag", ["norm_output", "norm_before_fc", "fc_norm", "use_aux_norm"])
 def test_eagle31_variants_are_refused_in_every_layout(tmp_path, target, flag):
     """EAGLE 3.1's variants (norm_output: post-norm feedback, no tensor of its own; norm_before_fc / fc_norm: norms
-    before fc) were refused in the speculators layout only, and a Llama-style config setting them, whose flags vLLM
-    reads too (norm_before_fc also in eagle_config), loaded as plain EAGLE-3 and drafted with another feedback or
-    features, unsaid."""
+    before fc; use_aux_norm: SGLang's older name of fc_norm) were refused in the speculators layout only, and a
+    Llama-style config setting them, whose flags vLLM and SGLang read too (norm_before_fc also in eagle_config),
+    loaded as plain EAGLE-3 and drafted with another feedback or features, unsaid."""
     write_sglang_checkpoint(tmp_path / "s")
     export_head(tmp_path / "s", "speculators", tmp_path / "v", target="unchecked-target")
     why = f"the head sets {flag}=true, an EAGLE-3 variant (EAGLE 3.1's) specdec does not run"
