@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -611,3 +612,24 @@ def test_gpu_check_report_is_replaced_whole_after_every_step(tmp_path, monkeypat
         check.main(["--steps", "acceptance,speed", "--rehearse", "--out", str(tmp_path)])
     assert list(json.loads((tmp_path / "report.json").read_text())["steps"]) == ["acceptance"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]
+
+
+def test_audit_power_counts_the_nodes_until_a_liar_is_stopped_and_writes_the_same_file_twice(tmp_path, monkeypatch):
+    """docs/sampling.md's table of draft nodes until the audit's error was a simulation no file kept:
+    benchmarks/audit_power.py reruns it seeded, so a second run writes the same result, a blatant liar is stopped
+    within a few nodes and a subtle one not within a short budget."""
+    script = _script("audit_power")
+    monkeypatch.setattr(sys.modules["common"], "machine_class", lambda: "cpu-avx512")  # any CPU runs it
+    monkeypatch.setattr(script, "machine_class", lambda: "cpu-avx512")
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (first, second):
+        assert script.main(["--seeds", "2", "--vocab", "401", "--max-nodes", "300", "--out", str(path)]) == 0
+    result = json.loads(first.read_text())
+    assert json.loads(second.read_text())["rows"] == result["rows"]
+    assert result["benchmark"] == "audit-power" and result["machine_class"]
+    rows = {row[0]: row for row in result["rows"]}
+    assert len(rows) == len(script.ROWS) and all(len(row) == len(result["columns"]) for row in rows.values())
+    assert float(rows["one fixed token / the uniform law"][1]) == pytest.approx(math.log(401), rel=1e-3)
+    fixed = rows["one fixed token / the uniform law"][3]
+    assert all(int(n) < 30 for n in fixed.split("-"))
+    assert rows["top-p 0.99 / no top-p"][3] == "not within 300"
