@@ -2,6 +2,7 @@
 
     python benchmarks/bench_coupled_cpu.py --part identity --out runs/coupled   # 20 prompts x 128 tokens, T=0.8
     python benchmarks/bench_coupled_cpu.py --part tau --out runs/coupled        # tau table, T=0.8 and 1.0
+    python benchmarks/bench_coupled_cpu.py --part tau --result tau.json         # ... also as a docs/results file
 
 ``identity``: plain coupled sampling of the prompts (one batch), then every drafter batched and one prompt
 at a time, whole trees (``speculation="always"``); every divergence from plain coupled output is diagnosed
@@ -9,11 +10,14 @@ by the perturbed-logit gap at that position (recomputed with transformers' model
 numerical near-tie, anything else a real mismatch. ``tau``: committed tokens per target forward of every
 drafter per category under standard rejection sampling and under coupled sampling, same prompts, same seed.
 tau does not depend on wall time, so this part may run on a busy machine. The JSON is rewritten after every row, so
-an interrupted run keeps what it measured.
+an interrupted run keeps what it measured; ``--result`` also writes the tau table as a docs/results file at the end
+(a cell: tau standard / coupled).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -30,8 +34,11 @@ from common import (  # noqa: E402
     add_overwrite,
     chat_ids,
     check_categories,
+    check_machine_class,
     check_new_files,
     check_positive,
+    cpu_name,
+    machine_class,
     run_main,
 )
 from specdec.eval.divergence import greedy_identity  # noqa: E402
@@ -136,6 +143,29 @@ def tau_part(loaded, args, out: dict, save) -> None:
                       f"coupled {taus['coupled']:5.2f}", flush=True)
 
 
+def tau_result(args, loaded, tau: dict, command: str) -> dict:
+    """The tau part (``out["tau"]``) as a docs/results file: a row per temperature and drafter, a column per
+    category, each cell tau under standard / coupled sampling."""
+    cells = {(r["temperature"], r["drafter"], r["category"]): f"{r['standard']:.2f} / {r['coupled']:.2f}"
+             for r in tau["rows"]}
+    dtype = str(loaded.model.dtype).removeprefix("torch.")
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine_class": machine_class(),
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} torch thread(s); embedded model ({loaded.name}), "
+                   f"{dtype}, seed {args.seed}, top-k off, every tree verified whole",
+        "benchmark": "coupled-tau",
+        "title": "Seeded sampling: tau under standard and coupled sampling, same prompts and seed",
+        "command": command,
+        "conditions": f"{tau['prompts_per_category']} prompt(s) per category x {tau['max_new_tokens']} new tokens, "
+                      "each prompt alone; a cell is tau (committed tokens per target forward) under standard / "
+                      "coupled sampling. tau counts tokens, not time.",
+        "columns": ["drafter", "temperature", *args.categories],
+        "rows": [[name, f"{t:g}", *(cells[(t, name, c)] for c in args.categories)]
+                 for t in args.temperatures for name in args.drafters],
+    }
+
+
 def temperatures(ap, text: str) -> list[float]:
     """--temperatures as floats, each positive (the tau part samples), checked before any model loads."""
     try:
@@ -162,6 +192,7 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--model", default="default")
     ap.add_argument("--out", default="runs/coupled")
+    ap.add_argument("--result", help="also write the tau table here as a docs/results file (--part tau)")
     add_overwrite(ap)
     args = ap.parse_args()
     check_positive(ap, args, "identity_prompts", "identity_tokens", "prompts", "max_new_tokens")
@@ -169,7 +200,11 @@ def main() -> None:
     args.temperatures = temperatures(ap, args.temperatures)
     args.drafters = chosen_names(ap, args)
     file = Path(args.out) / f"coupled-{args.part}{args.tag}.json"
-    check_new_files(ap, args.overwrite, file)
+    check_new_files(ap, args.overwrite, file, args.result)
+    if args.result:
+        if args.part != "tau":
+            ap.error(f"--result: only with --part tau (got --part {args.part})")
+        check_machine_class(ap, "--result")
     try:
         loaded = load_model(args.model)
         out: dict = {"model": loaded.name, "seed": args.seed}
@@ -182,9 +217,12 @@ def main() -> None:
         if args.part in ("tau", "both"):
             tau_part(loaded, args, out, save)
         save()
+        if args.result:
+            command = "python benchmarks/bench_coupled_cpu.py " + shlex.join(sys.argv[1:])
+            write_json(args.result, tau_result(args, loaded, out["tau"], command), indent=1)
     except SpecdecError as err:  # a model or checkpoint that is not there: one line
         ap.error(first_line(err))
-    print(f"wrote {file}")
+    print(f"wrote {file}" + (f" and {args.result}" if args.result else ""))
 
 
 if __name__ == "__main__":

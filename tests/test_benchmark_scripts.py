@@ -23,7 +23,7 @@ import specdec.generate  # noqa: F401
 from specdec import engine_setup
 from specdec.models import row_policy
 from specdec.sigterm import Terminated
-from tests.script_loading import BENCHMARKS, load_script
+from tests.script_loading import BENCHMARKS, load_file, load_script
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 BARE = ("common", "drafter_grid", "held_out_prompts", "step_profile")  # what the scripts import by bare names
@@ -633,3 +633,30 @@ def test_audit_power_counts_the_nodes_until_a_liar_is_stopped_and_writes_the_sam
     fixed = rows["one fixed token / the uniform law"][3]
     assert all(int(n) < 30 for n in fixed.split("-"))
     assert rows["top-p 0.99 / no top-p"][3] == "not within 300"
+
+
+def test_coupled_tau_is_written_as_a_results_file_the_docs_read(tmp_path, monkeypatch):
+    """The speculation policy page quoted a tau table of standard against coupled sampling that no file kept:
+    bench_coupled_cpu.py --result writes the tau part as a docs/results file, a cell per drafter and category."""
+    coupled = _script("bench_coupled_cpu")
+    monkeypatch.setattr(coupled, "load_model", lambda name: _fake_loaded())
+    monkeypatch.setattr(coupled, "drafters", lambda loaded: {n: lambda n=n: (n, None) for n in ("ngram", "self-draft")})
+    monkeypatch.setattr(coupled, "chat_ids", lambda tokenizer, text: [1, 2])
+    monkeypatch.setattr(sys.modules["common"], "machine_class", lambda: "cpu-avx512")
+    monkeypatch.setattr(coupled, "machine_class", lambda: "cpu-avx512")
+
+    def generate(loaded, prompts, max_new_tokens, drafter=None, sampler=None, **kw):
+        steps = {("ngram", "standard"): 2, ("ngram", "coupled"): 3}.get((drafter, sampler), 4)
+        return SimpleNamespace(total_new_tokens=6, stats=[SimpleNamespace(steps=steps)])
+
+    monkeypatch.setattr(coupled, "generate", generate)
+    result = tmp_path / "tau.json"
+    _run(coupled, ["--part", "tau", "--drafters", "ngram,self-draft", "--categories", "chat,code", "--prompts", "1",
+                   "--temperatures", "0.8", "--out", str(tmp_path / "c"), "--result", str(result)], monkeypatch)
+    data = json.loads(result.read_text())
+    assert data["benchmark"] == "coupled-tau" and data["columns"] == ["drafter", "temperature", "chat", "code"]
+    assert data["rows"] == [["ngram", "0.8", "3.00 / 2.00", "3.00 / 2.00"],
+                            ["self-draft", "0.8", "1.50 / 1.50", "1.50 / 1.50"]]
+    assert load_file(RESULTS.parent / "gen_benchmarks.py")._malformed(data) is None  # one the benchmarks page takes
+    with pytest.raises(SystemExit):  # the file is of the tau part alone
+        _run(coupled, ["--part", "both", "--result", str(tmp_path / "x.json")], monkeypatch)
