@@ -419,9 +419,10 @@ def test_every_benchmark_writes_its_result_files_whole():
             assert not re.search(r'open\([^)]*,\s*"w"|\.write_text\(|json\.dump\(', path.read_text()), path.name
 
 
-INTERRUPTIBLE = ("bench_coupled_cpu", "bench_drafters_cpu", "bench_e2e_gpu", "bench_eagle_cpu", "bench_host_overhead",
-                 "bench_invariant_cpu", "bench_medusa_vocab_cpu", "bench_ngram_cpu", "bench_plain_cpu",
-                 "bench_policy_host", "bench_speed_gpu", "bench_verify_cost", "profile_short_call")
+INTERRUPTIBLE = ("audit_power", "bench_coupled_cpu", "bench_drafters_cpu", "bench_e2e_gpu", "bench_eagle_cpu",
+                 "bench_host_overhead", "bench_invariant_cpu", "bench_medusa_vocab_cpu", "bench_ngram_cpu",
+                 "bench_plain_cpu", "bench_policy_host", "bench_speed_gpu", "bench_verify_cost", "profile_short_call",
+                 "self_draft_acceptance")
 
 
 @pytest.mark.parametrize("name", INTERRUPTIBLE)
@@ -660,3 +661,32 @@ def test_coupled_tau_is_written_as_a_results_file_the_docs_read(tmp_path, monkey
     assert load_file(RESULTS.parent / "gen_benchmarks.py")._malformed(data) is None  # one the benchmarks page takes
     with pytest.raises(SystemExit):  # the file is of the tau part alone
         _run(coupled, ["--part", "both", "--result", str(tmp_path / "x.json")], monkeypatch)
+
+
+def test_self_draft_acceptance_sums_depth_one_over_the_prompts_into_a_results_file(tmp_path, monkeypatch, capsys):
+    """docs/drafters/self-draft.md quoted an untrained early exit's acceptance per layer count from a sweep no file
+    kept: self_draft_acceptance.py counts it (accepted over verified draft tokens at depth 1, every draft verified)
+    and writes a docs/results file; a layer count that is no number is refused in one line before a model loads."""
+    script = _script("self_draft_acceptance")
+    monkeypatch.setattr(script, "load_model", lambda name: SimpleNamespace(
+        **vars(_fake_loaded()), runner=SimpleNamespace(shape=SimpleNamespace(num_layers=30))))
+    monkeypatch.setattr(script, "chat_ids", lambda tokenizer, text: [1, 2])
+    monkeypatch.setattr(sys.modules["common"], "machine_class", lambda: "cpu-avx512")
+    monkeypatch.setattr(script, "machine_class", lambda: "cpu-avx512")
+    calls = []
+
+    def generate(loaded, prompts, max_new_tokens, drafter=None, drafter_options=None, speculation=None, **kw):
+        calls.append((drafter, drafter_options["num_layers"], speculation))
+        n = drafter_options["num_layers"]
+        return SimpleNamespace(stats=[SimpleNamespace(depth_accepted=[n], depth_tried=[40, 3])])
+
+    monkeypatch.setattr(script, "generate", generate)
+    out = tmp_path / "acc.json"
+    assert script.main(["--layers", "4,10", "--prompts", "2", "--out", str(out)]) == 0
+    assert calls == [("self-draft", 4, "always")] * 2 + [("self-draft", 10, "always")] * 2
+    data = json.loads(out.read_text())
+    assert data["rows"] == [["4", "10%", "8 / 80"], ["10", "25%", "20 / 80"]]
+    assert load_file(RESULTS.parent / "gen_benchmarks.py")._malformed(data) is None
+    with pytest.raises(SystemExit):
+        script.main(["--layers", "4,x"])
+    assert "--layers: comma-separated layer counts, got '4,x'" in capsys.readouterr().err
