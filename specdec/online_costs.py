@@ -65,6 +65,9 @@ class OnlineCosts:
     known: dict[int, list[float]] = field(default_factory=dict, repr=False)
     stale: set[int] = field(default_factory=set, repr=False)
     calibrated: dict[int, list[float]] = field(default_factory=dict, repr=False)  # ... the cost model's, as known
+    # batch buckets whose plain steps moved every size's correction since it was last worked out: it is when the
+    # curve is next read (relative), so a run of plain steps (a drafter held off) works out none it never reads
+    uncorrected: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if (self.window < 1 or self.prior <= 0 or not 1 <= self.min_samples <= self.window
@@ -79,8 +82,10 @@ class OnlineCosts:
         self._add(bucket, n, [verify_seconds])
         self.drafted[bucket] = 0 if n == 1 else self.drafted.get(bucket, 0) + 1
         self.credit[bucket] = min(self.credit.get(bucket, 0.0) + self.measure_budget, 1.0)
-        # a plain step moves every size's correction (and a bucket's first record corrects restored samples)
-        self._correct(bucket, None if n == 1 or bucket not in self.anchors else n)
+        if n == 1:  # a plain step moves every size's correction: worked out when the curve is next read
+            self.uncorrected.add(bucket)
+        else:  # (a bucket's first record corrects restored samples)
+            self._correct(bucket, None if bucket in self.uncorrected or bucket not in self.anchors else n)
 
     def plain_step_due(self, batch: int) -> bool:
         """Whether this step should verify no draft at all: the bucket's correction needs a 1-token step's time
@@ -107,14 +112,18 @@ class OnlineCosts:
 
     def relative(self, n: int, batch: int = 1) -> float:
         """c(n) / c(1) in plain decode steps (>= 1), with this run's correction where it has one."""
+        if n <= 1:  # a plain step, whatever the correction
+            return 1.0
         bucket = self.costs.batch_bucket(batch)
+        if bucket in self.uncorrected:
+            self._correct(bucket, None)
         curve = self.known.get(bucket, ())
         if n >= len(curve) or bucket in self.stale:
             # recomputed as long as it was, or extended by doubling up to a whole tree (sizing asks for n = 1, 2, ...)
             top = len(curve) - 1 if n < len(curve) else max(n, min(2 * len(curve) - 2, MAX_TREE_NODES + 1))
             curve = self.known[bucket] = self._curve(bucket, top)
             self.stale.discard(bucket)
-        return curve[max(n, 1)]
+        return curve[n]
 
     def kept(self) -> dict:
         """What a later call starts from (:meth:`restore`; JSON-able): the last ``min_samples`` times of each size,
@@ -139,6 +148,8 @@ class OnlineCosts:
 
     def _correct(self, bucket: int, n: int | None) -> None:
         """Recompute the correction of size ``n`` (None: of every size) and the bucket's anchors."""
+        if n is None:
+            self.uncorrected.discard(bucket)
         sizes = [k for k in self.samples if k[0] == bucket and k[1] != 1] if n is None else [(bucket, n)]
         for key in sizes:
             factor = self._factor(*key)

@@ -80,6 +80,33 @@ def test_without_one_token_steps_nothing_is_corrected():
     assert online.relative(2) == pytest.approx(1.0)
 
 
+def test_plain_steps_work_out_the_correction_once_when_the_curve_is_read(monkeypatch):
+    """A drafter the guard holds off decodes plainly step after step, and each plain step's time moves every size's
+    correction: worked out at each of them, a held-off drafter's step cost more host time than plain decoding's. It is
+    worked out when sizing next reads the curve, and is then the curve that reading it at every step gives."""
+    every_step, held_off = OnlineCosts(CALIBRATED), OnlineCosts(CALIBRATED)
+    for online in (every_step, held_off):
+        for _ in range(8):
+            online.record(0.030, 1, 1)
+            online.record(0.045, 2, 1)
+            online.record(0.050, 5, 1)
+    worked_out = []
+    correct = OnlineCosts._correct
+
+    def counted(self, bucket, n):
+        worked_out.append(self is held_off)
+        correct(self, bucket, n)
+
+    monkeypatch.setattr(OnlineCosts, "_correct", counted)
+    for k in range(40):
+        for online in (every_step, held_off):
+            online.record(0.030 + 0.002 * (k % 7), 1, 1)
+        every_step.relative(3)  # sizing reads the curve at every step
+    assert worked_out.count(True) == 0
+    assert [held_off.relative(n) for n in range(1, 9)] == [every_step.relative(n) for n in range(1, 9)]
+    assert worked_out.count(True) == 1
+
+
 def test_a_rare_slow_step_does_not_move_the_correction():
     """Medians: one step in many held up by the machine (a page fault, another process) is not a cost of n."""
     online = OnlineCosts(CALIBRATED)
