@@ -199,6 +199,39 @@ def test_a_drafter_held_off_costs_its_probes_only_its_other_steps_launch_what_pl
     assert not differ, (probes, differ[:3])
 
 
+def test_the_steps_a_drafter_is_held_off_work_out_no_cost_correction(monkeypatch):
+    """A held-off step's time is recorded, and the verify-cost correction it moves is worked out only when a probe's
+    sizing reads the curve: counted, the steps between probes work out none (each had worked out every size's)."""
+    from specdec.engine import Engine
+
+    costs = CostModel({}, {1: {1: 0.01, 65: 0.02}})  # this machine's verify times correct it (not fixed_costs)
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None, **kw: costs)
+
+    worked_out, steps = [], []  # per step: whether it probed, and the corrections worked out in it
+    step, correct = Engine.step, OnlineCosts._correct
+
+    def counted(engine):
+        s = engine.live[0]
+        asked, before = s.proposals, len(worked_out)
+        out = step(engine)
+        steps.append((s.proposals > asked, len(worked_out) - before))
+        return out
+
+    def correcting(self, bucket, n):
+        worked_out.append(n)
+        correct(self, bucket, n)
+
+    monkeypatch.setattr(Engine, "step", counted)
+    monkeypatch.setattr(OnlineCosts, "_correct", correcting)
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=140)[0]
+    assert generate(model, [prompt], max_new_tokens=140, drafter=Scripted(plain, 4, 32, switch=10**9))[0] == plain
+    held_off = [(i, corrections) for i, (probed, corrections) in enumerate(steps) if not probed]
+    assert len(held_off) > 100
+    assert [(i, corrections) for i, corrections in held_off if corrections] == []
+
+
 class LuckyOnce(Scripted):
     """Wrong, except on its ``lucky``-th propose call (0-based)."""
 
