@@ -128,7 +128,7 @@ class AttentionPlan:
         """The batched form of a forward of 2+ sequences with no prefill among them, else None.
 
         One padded SDPA call per layer instead of one per sequence: on CPU the per-call cost
-        (gather + kernel launch, ~0.15 ms) dominated batched decoding. Masked padding keys add
+        (gather + kernel launch) dominated batched decoding. Masked padding keys add
         exact zeros, so the result differs from the per-sequence path only by summation order."""
         if len(self.seqs) < 2 or any(s.prefill for s in self.seqs):
             return None

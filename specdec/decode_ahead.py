@@ -1,11 +1,11 @@
 """Plain decoding with the next step queued before the host reads this one.
 
-A plain step on a GPU ends with the host waiting for the target's choices, then building the next step's
-inputs while the device idles: on an H200 the embedded model's 1.36 ms step left the device idle about half of it.
-Here each step is launched with the step before it still unread, its token input written on the device from that
-step's choices (:class:`~specdec.cuda_graphs.GraphedForward`'s ``token_ids``); only then does the host read the
-earlier step. The device runs step i + 1 while the host reads, checks and commits step i, so a step costs about
-the larger of the host's and the device's work, not their sum.
+A plain step on a GPU ends with the host waiting for the target's choices, then building the next step's inputs while
+the device idles (what that costs: docs/gpu-speed.md, Plain steps queued ahead). Here each step is launched with the
+step before it still unread, its token input written on the device from that step's choices
+(:class:`~specdec.cuda_graphs.GraphedForward`'s ``token_ids``); only then does the host read the earlier step. The
+device runs step i + 1 while the host reads, checks and commits step i, so a step costs about the larger of the host's
+and the device's work, not their sum.
 
 Invariants:
 

@@ -148,11 +148,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, unifor
     cumulative sum at one uniform draw per row (``uniforms`` [...] float64 when drawn already, else from
     ``generator``).
 
-    Why not ``torch.multinomial``: on the 2-core CPU it took 1.25 ms per 49,152-token row, this 0.09 ms, and the
-    engine draws once per sequence per sampled step (~2% of a 60 ms step). It is exact up to float64 rounding (float32
-    multinomial misses tokens below ~3e-8 of the running sum), and a zero-probability token is never drawn: a zero
-    adds nothing to the running sum, so the first index whose sum exceeds the point drawn (in ``[0, total)``) has a
-    positive probability. A row whose sum is not finite and positive gets the id ``vocab``. No host sync."""
+    Why not ``torch.multinomial``: on the CPU it is many times slower per vocabulary-wide row, and the engine draws
+    once per sequence per sampled step. This is exact up to float64 rounding (float32 multinomial misses tokens
+    below ~3e-8 of the running sum), and a zero-probability token is never drawn: a zero adds nothing to the running
+    sum, so the first index whose sum exceeds the point drawn (in ``[0, total)``) has a positive probability. A row
+    whose sum is not finite and positive gets the id ``vocab``. No host sync."""
     flat = probs.reshape(-1, probs.shape[-1])
     u = (torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
          if uniforms is None else uniforms.reshape(-1, 1))
