@@ -273,7 +273,7 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> dict[int, list[int]]:
-        """Draft, verify, sample, commit. Returns the tokens emitted per seq_id this step."""
+        """Propose, verify, accept, commit. Returns the tokens emitted per seq_id this step."""
         live = self.live
         if self.ahead is not None and self.ahead.runs(live):  # a plain step, the next queued before it is read
             return self.ahead.step()

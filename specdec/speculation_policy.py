@@ -45,9 +45,9 @@ class ProposeCall:
     """One propose call as the engine saw it, for :meth:`SpeculationPolicy.size`."""
 
     seq_ids: list[int]  # the sequences asked, in the order of trees
-    trees: list[DraftTree]  # as proposed (validated, cut to each sequence's token budget)
+    trees: list[DraftTree]  # as proposed (validated, cut to each sequence's token budget and KV blocks)
     batch: int  # live sequences this step
-    draft_seconds: float  # wall seconds of the call
+    draft_seconds: float  # wall seconds of the call, its trees' draft audit included
     catch_up: bool  # the call included a sequence's first (the drafter caught up on its whole prompt)
     verified: bool = False  # pending trees, already verified whole: sizing is learned from, not applied
 
