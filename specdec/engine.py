@@ -194,6 +194,8 @@ class Engine:
         self.policy = (policy or SpeculationPolicy()).start(self.drafter, target)
         # EAGLE-3: the drafter's rows are these layers' streams
         self.feature_layers: tuple[int, ...] = () if self.drafter is None else tuple(self.drafter.feature_layers)
+        # a sequence's first propose call catches the drafter up on its whole prompt: a one-off, no step's cost
+        self.catches_up = self.drafter is not None and self.drafter.catches_up
         # the drafter's trees may stay on the device until the verify is launched (specdec.pending_trees), on steps
         # whose trees the policy expects to verify whole: the verify runs through CUDA-graph buckets (whose inputs the
         # device can write)
@@ -352,9 +354,9 @@ class Engine:
 
     def _draft(self, live: list[SequenceState], asked: list[SequenceState]) -> list[DraftTree] | PendingStep:
         """The asked sequences' proposals, sized by the policy (propose())."""
-        # a one-off, not a step's cost: a sequence's first call catches the drafter up on its whole prompt; a call
-        # that captured a CUDA graph paid for the capture
-        catch_up = self.drafter.catches_up and any(s.proposals == 0 for s in asked)
+        # a one-off, not a step's cost: a sequence's first call (catches_up); a call that captured a CUDA graph paid
+        # for the capture
+        catch_up = self.catches_up and any(s.proposals == 0 for s in asked)
         captured = captures()
         if self.pending and self.policy.verifies_whole:
             trees = self.drafter.propose_pending(self._views(asked))
