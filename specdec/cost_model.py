@@ -1,6 +1,6 @@
 """Cost model: what a verify step of n query tokens costs on this machine, measured and cached.
 
-    costs = load_cost_model(runner)            # cached, or a short calibration (<~15 s, embedded model, 2 cores)
+    costs = load_cost_model(runner)            # cached, or a short calibration, once per machine
     costs.relative(n, batch=1)                 # c(n) / c(1): a verify step of n tokens per sequence in decode steps
     costs.decode_seconds(batch=1)              # c(1) in seconds (at the calibration's context)
 
@@ -469,11 +469,11 @@ def times_whole_grid(runner) -> bool:
 
 def _plan(runner, batch: int, config: CalibrationConfig) -> tuple[list[int], int, int] | None:
     """(sizes, repeats, context) of a batch's calibration, fitted into the model's context (None: it cannot fit)."""
-    # a batch runs batch x n query tokens per step. On a CPU, past BATCH_QUERY_TOKENS the curve is extrapolated
-    # linearly from its last two points (the forward is compute-bound there), and the prefilled context shrinks with
-    # the batch, so any batch size calibrates in seconds (the full grid took 131 s at batch 32 on one thread, this
-    # ~12 s). A GPU's forward stays near one weight read far past that many tokens, and its steps take milliseconds:
-    # the whole grid is timed (extrapolated from that flat stretch, 32 x 65 tokens would cost about what 32 x 4 do)
+    # a batch runs batch x n query tokens per step. On a CPU, past BATCH_QUERY_TOKENS the curve is extrapolated linearly
+    # from its last two points (the forward is compute-bound there), and the prefilled context shrinks with the batch,
+    # so any batch size calibrates in seconds, where the full grid took minutes at batch 32. A GPU's forward stays near
+    # one weight read far past that many tokens, and its steps take milliseconds: the whole grid is timed (extrapolated
+    # from that flat stretch, 32 x 65 tokens would cost about what 32 x 4 do)
     cap = math.inf if times_whole_grid(runner) else BATCH_QUERY_TOKENS
     sizes = [n for n in config.sizes if n <= 2 or batch * n <= cap]
     context = min(config.context, max(runner.shape.max_positions // 4, 2), max(16, BATCH_CONTEXT_TOKENS // batch))

@@ -11,10 +11,10 @@ is logged, never raised over the build's error). The drafter's ``feature_layers`
 layers then too, before the prefill forward reads them.
 
 What is decided here: the CPU row policy of ``linear()``; with a drafter and ``speculation="auto"``, the speculation
-policy and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
-~15 s; none for seeded standard sampling); the KV cache's size (the request's worst case, checked against the device's
-memory before anything is allocated) or a reused CUDA-graph cache; the drafter's seed, the sampling generator, the draft
-audit (one per drafter object, kept across the calls whose draws are fresh), the logits processors
+policy and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates it, once:
+docs/speculation-policy.md; none for seeded standard sampling); the KV cache's size (the request's worst case, checked
+against the device's memory before anything is allocated) or a reused CUDA-graph cache; the drafter's seed, the sampling
+generator, the draft audit (one per drafter object, kept across the calls whose draws are fresh), the logits processors
 (:mod:`specdec.logits_processing`; None when the config asks for none) and whether log-probabilities are kept. The
 certificate's negative controls (:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken
 acceptance rule (``rule=``) or a broken engine / cache (``fault=``), so that real callers of ``generate()`` cannot
