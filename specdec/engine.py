@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SequenceState:
+    """One sequence of a call, as the engine keeps it between steps: its tokens (the invariant of the module
+    docstring), what it counted for the output's stats, and the drafter's hidden rows not yet seen."""
+
     seq_id: int
     token_ids: list[int]  # prompt + committed tokens; token_ids[-1] is the root of the next step
     num_prompt_tokens: int
@@ -152,6 +155,10 @@ class PendingStep:
 
 
 class Engine:
+    """A batch of sequences decoded over one paged KV cache (module docstring): :meth:`add` prefills, each
+    :meth:`step` proposes, verifies, accepts and commits; every decision fixed for the run (the acceptor, whether
+    hidden rows are kept, pending trees, queued plain steps) is made in ``__init__``."""
+
     def __init__(
         self,
         runner: LlamaRunner,
