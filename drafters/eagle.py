@@ -68,6 +68,9 @@ if TYPE_CHECKING:
     from specdec.models.llama import LlamaRunner
 
 logger = logging.getLogger(__name__)
+# the most rows of a sequence one catch-up forward runs (EagleDrafter._run_catch_up): its attention bias holds
+# rows x (cached keys + rows) entries, linear in the context
+CATCH_UP_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -343,9 +346,31 @@ class EagleDrafter(Drafter):
         return h_root[to_device([index[b] for b in range(len(views))], torch.long, h_root.device)]
 
     def _run_catch_up(self, views: Sequence[SequenceView]) -> torch.Tensor:
-        """One catch-up over every view's ``new_hidden`` rows, their keys / values appended: the roots' predicted
-        features [B, H]."""
-        rows, past = self._catch_up_rows(views), self._cached(views)
+        """The catch-up over every view's ``new_hidden`` rows, their keys / values appended: the roots' predicted
+        features [B, H]. At most CATCH_UP_ROWS rows of each view per forward, each block over the keys of the ones
+        before it: the attention bias is [B, rows, cached keys + rows], so a prompt's first catch-up in one forward
+        would build one of prompt x prompt (1 GiB in fp32 at a 16k-token prompt)."""
+        rows = self._catch_up_rows(views)
+        width = rows.hidden.shape[1]
+        if width <= CATCH_UP_ROWS:
+            return self._catch_up_block(views, rows)
+        roots: list[torch.Tensor | None] = [None] * len(views)
+        for start in range(0, width, CATCH_UP_ROWS):
+            run = [b for b, n in enumerate(rows.counts) if n > start]  # the views with rows in this block
+            end = min(start + CATCH_UP_ROWS, max(rows.counts[b] for b in run))
+            hidden = rows.hidden[:, start:end]
+            block = CatchUpRows(hidden if len(run) == len(views) else hidden[run],
+                                [rows.tokens[b][start:end] for b in run], [rows.positions[b][start:end] for b in run],
+                                [min(rows.counts[b], end) - start for b in run])
+            h_root = self._catch_up_block([views[b] for b in run], block)
+            for j, b in enumerate(run):
+                if rows.counts[b] <= end:  # its last row, the one predicting its root, is in this block
+                    roots[b] = h_root[j]
+        return torch.stack(roots)
+
+    def _catch_up_block(self, views: Sequence[SequenceView], rows: CatchUpRows) -> torch.Tensor:
+        """One catch-up forward over ``rows`` of ``views``, after their cached keys; the keys / values appended."""
+        past = self._cached(views)
         h_root, new_k, new_v = catch_up(self.model, self.target.runner.embed, CatchUpInputs.upload(rows), past.k,
                                         past.v, past.real, self.grower.fused)
         self.kv.append([v.seq_id for v in views], new_k, new_v, rows.counts)

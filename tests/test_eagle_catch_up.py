@@ -118,3 +118,50 @@ def test_uploaded_catch_up_rows_keep_tokens_positions_and_counts_apart():
     assert x.tokens.tolist() == [[9, 2, 7], [8, 6, 0]]
     assert x.positions.tolist() == [[1, 2, 3], [4, 5, 0]]
     assert x.counts.tolist() == [3, 2] and x.hidden is rows.hidden
+
+
+def test_a_long_prompts_catch_up_runs_in_blocks_whose_bias_grows_linearly_with_the_context(sdpa_masks, monkeypatch):
+    """A prompt's first catch-up ran all its rows in one forward, under a [B, rows, rows] bias: 1 GiB in fp32 at a
+    16k-token prompt, for a drafter whose keys take ~1/1000 of that. The rows run CATCH_UP_ROWS at a time (a shorter
+    prompt drops out of the blocks past its rows), each block over the keys of the ones before it, and the roots'
+    features and the keys / values held are the one forward's."""
+    import types
+    from types import SimpleNamespace
+
+    from specdec.drafters import eagle as eagle_module
+    from specdec.drafters.eagle import CATCH_UP_ROWS, EagleDrafter
+    from specdec.drafters.eagle_kv import EagleKV
+
+    model = build_tiny_model(max_position_embeddings=4096)
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(model.config)).eval()
+    c, gen = eagle.config, torch.Generator().manual_seed(3)
+    lengths = [2 * CATCH_UP_ROWS + 77, CATCH_UP_ROWS + 30]  # 3 blocks, then 2 (the last one shorter)
+    views = [SimpleNamespace(seq_id=b, token_ids=torch.randint(1, c.vocab_size, (n,), generator=gen).tolist(),
+                             noise_key=b, new_hidden=torch.randn(n - 1, c.hidden_size, generator=gen))
+             for b, n in enumerate(lengths)]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        runner = SimpleNamespace(dtype=torch.float32, device=torch.device("cpu"),
+                                 embed=model.get_input_embeddings().weight.detach())
+        drafter = SimpleNamespace(model=eagle, kv=EagleKV(c.num_kv_heads, c.head_dim, torch.float32, runner.device),
+                                  target=SimpleNamespace(runner=runner), grower=SimpleNamespace(fused=None),
+                                  _padded_hidden=EagleDrafter._padded_hidden)
+        for name in ("_catch_up_rows", "_cached", "_catch_up_block"):
+            if hasattr(EagleDrafter, name):
+                setattr(drafter, name, types.MethodType(getattr(EagleDrafter, name), drafter))
+        with torch.inference_mode():
+            h_root = EagleDrafter._run_catch_up(drafter, views)
+        assert drafter.kv.lengths([0, 1]) == [n - 1 for n in lengths]
+        return h_root, *drafter.kv.gather([0, 1])
+
+    blocks = run()
+    biases = [mask for _, mask in sdpa_masks]
+    assert len(biases) == 3 and all(mask.shape[-2] <= CATCH_UP_ROWS for mask in biases), \
+        [tuple(m.shape) for m in biases]
+    assert biases[-1].shape[0] == 1  # the shorter prompt is done after two blocks
+    monkeypatch.setattr(eagle_module, "CATCH_UP_ROWS", 10**6)
+    whole = run()
+    assert sdpa_masks[-1][1].shape[-2] == lengths[0] - 1  # one forward, as before
+    for a, b in zip(blocks, whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
