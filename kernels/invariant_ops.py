@@ -108,7 +108,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
                          "head_dim contiguous")
     if slots.shape[0] != T or lens.shape != (T,):
         raise ValueError(f"attention: slots {tuple(slots.shape)} / lens {tuple(lens.shape)} do not cover {T} rows")
-    slots = slots.contiguous()
+    if slots.stride(-1) != 1:  # a row stride of 0 (one row read by every query: row_key_slots) is kept
+        slots = slots.contiguous()
     out = torch.empty_like(q)
     if T:
         _attention_kernel[(T, H)](

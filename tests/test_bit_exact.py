@@ -119,6 +119,25 @@ def test_the_kernel_key_table_lists_the_reference_keys():
         assert torch.equal(slots[row, : keys.numel()], keys)
 
 
+
+def test_a_lone_causal_runs_key_table_is_a_view_of_its_key_slots():
+    """A prompt's prefill (and a decode step of one sequence): each row's keys are a prefix of the sequence's, so the
+    Triton path's key table is its key slots, every row the same, not a [prompt, prompt] int64 copy (2 GiB at a
+    16k-token prompt, in the bit-exact mode's one-forward prefill); the rows list the reference's keys."""
+    from specdec.attention import AttentionPlan, SeqAttention
+
+    n = 3000
+    key_slots = torch.randperm(4000, generator=torch.Generator().manual_seed(9))[:n]
+    for seq in (SeqAttention(0, n, key_slots, 0), SeqAttention(0, 1, key_slots, n - 1)):  # a prefill, a decode step
+        plan = AttentionPlan((seq,))
+        slots, lens = plan.invariant_rows
+        assert slots.shape == (seq.num_new, n)
+        assert slots.untyped_storage().nbytes() <= key_slots.untyped_storage().nbytes()
+        listed = [keys for seq_keys, _ in plan.invariant_row_keys for keys in seq_keys]
+        assert lens.tolist() == [k.numel() for k in listed]
+        for row in sorted({0, seq.num_new // 2, seq.num_new - 1}):
+            assert torch.equal(slots[row, : int(lens[row])], listed[row])
+
 # ---- generate(): speculative == plain, bit for bit ------------------------------------------------------------
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 8], [10, 20, 30, 10, 20, 30, 10, 20], [5, 5, 5, 5]]
 

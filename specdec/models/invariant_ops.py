@@ -70,7 +70,14 @@ class RopeTable:
 
 def row_key_slots(plan) -> tuple[torch.Tensor, torch.Tensor]:
     """([T, max_keys] int64 cache slot of each row's visible keys in position order, padded with the row's first
-    slot; [T] int64 keys per row) for an AttentionPlan. No host sync: built from each sequence's mask."""
+    slot; [T] int64 keys per row) for an AttentionPlan. No host sync: built from each sequence's mask. A lone causal
+    run (a prompt's prefill, a decode step) sees a prefix of its keys in each row: its table is a view of its key
+    slots, every row the same (row stride 0; past ``lens[t]`` a row holds later keys, never read), not a
+    [num_new, keys] copy (prompt x prompt int64: 2 GiB at a 16k-token prompt, and its sort more)."""
+    if len(plan.seqs) == 1 and plan.seqs[0].ancestor_bits is None:
+        s = plan.seqs[0]
+        lens = torch.arange(s.num_visible + 1, s.num_visible + s.num_new + 1, device=s.key_slots.device)
+        return s.key_slots.expand(s.num_new, s.key_slots.numel()), lens
     slots, lens = [], []
     width = max(s.key_slots.numel() for s in plan.seqs)
     for s in plan.seqs:
