@@ -394,6 +394,57 @@ def test_eagle3_training_features_are_the_ones_the_engine_passes():
     assert labels[0].tolist() == out.logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("arch, reduced", [("eagle1", False), ("eagle3", False), ("eagle1", True), ("eagle3", True)])
+def test_the_training_passes_predict_what_the_drafter_drafts(arch, reduced):
+    """A layer is trained on what its unrolled passes compute and drafts with catch-up and tree growth: both must
+    see the same features, tokens and positions at every depth, else a trained head drafts another position's token
+    (acceptance lost, unsaid). Along the drafter's greedy chain after a prompt, each training pass's log-probability
+    of the drafted token equals the drafter's and is its argmax, for EAGLE-1 and EAGLE-3, full and reduced
+    vocabulary."""
+    import torch.nn.functional as F
+    from specdec.drafters.eagle_catch_up import CatchUpInputs, catch_up
+    from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+    from specdec.train.eagle_loss import unrolled_passes
+    from specdec.train.features import target_features
+
+    from specdec.sampling import SamplingConfig
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model(num_hidden_layers=3)
+    torch.manual_seed(0)
+    vocab = tuple(range(0, 96, 2)) if reduced else ()
+    eagle = EagleModel(EagleConfig.for_target(model.config, draft_vocab=vocab, **({"arch": "eagle3"} if arch ==
+                                                                                    "eagle3" else {})))
+    eagle.init_from_target(model)
+    with torch.no_grad():
+        for p in eagle.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    eagle.eval()
+    embed, lm = model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
+    prompt, depth = [5, 8, 13, 21, 34, 55, 3, 7], 3
+    n = len(prompt)
+    with torch.no_grad():
+        feats, _ = target_features(model, torch.tensor([prompt]), torch.ones(1, n, dtype=torch.long),
+                                   eagle.config.feature_layers)
+        # the drafter: catch up on rows j = 0..n-2 (feature j, token j + 1, position j + 1), then a greedy chain
+        rows = CatchUpInputs(feats[:, : n - 1], torch.tensor([prompt[1:]]), torch.arange(1, n)[None],
+                             torch.tensor([n - 1]))
+        h_root, k, v = catch_up(eagle, embed, rows, None, None, torch.zeros(1, 0, dtype=torch.bool))
+        grower = TreeGrower(eagle, embed, lm, SamplingConfig(), None, 1, lm.shape[0], depth)
+        pool = grower.pool(GrowInputs(h_root, k, v, torch.ones(1, n - 1, dtype=torch.bool), torch.tensor([n - 1]),
+                                      torch.zeros(1, dtype=torch.long)), depth)
+        drafted, drafted_logp = pool[0, 0].long().tolist(), pool[0, 3].tolist()  # draft-vocabulary ids
+        ids = drafted if eagle.draft_ids is None else eagle.draft_ids[torch.tensor(drafted)].tolist()
+        # the training passes over the prompt and the chain's first depth - 1 tokens
+        hidden = torch.cat([feats, torch.zeros(1, depth - 1, feats.shape[-1])], 1)
+        passes = list(unrolled_passes(eagle, torch.tensor([prompt + ids[: depth - 1]]), hidden, embed, depth))
+        logps = [F.log_softmax(eagle.logits(out[0, n - 3 + s], lm).float(), -1) for s, out in enumerate(passes, 1)]
+    for s, logp in enumerate(logps, 1):
+        assert int(logp.argmax()) == drafted[s - 1], (s, int(logp.argmax()), drafted)
+        assert float(logp[drafted[s - 1]]) == pytest.approx(drafted_logp[s - 1], abs=1e-4), s
+
+
 def test_train_eagle_arch_eagle3_lowers_the_loss_and_exports(tiny, tmp_path):
     from specdec.drafters.export_head import export_head
     from transformers import AutoConfig
