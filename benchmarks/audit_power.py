@@ -16,9 +16,7 @@ fewest nodes any test can expect to need (docs/sampling.md). Deterministic for g
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import shlex
 import sys
 from pathlib import Path
 
@@ -31,8 +29,7 @@ from common import (  # noqa: E402
     check_machine_class,
     check_new_files,
     check_positive,
-    cpu_name,
-    machine_class,
+    result_header,
     run_main,
 )
 
@@ -147,14 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                      span([n for n, _ in runs], args.max_nodes)])
         print(" | ".join(rows[-1]), flush=True)
     if args.out:
-        command = "python benchmarks/audit_power.py " + shlex.join(sys.argv[1:] if argv is None else argv)
         write_json(args.out, {
-            "date": datetime.date.today().isoformat(),
-            "machine_class": machine_class(),
-            "machine": f"{cpu_name()}, {torch.get_num_threads()} torch thread(s); a simulation, no model",
-            "benchmark": "audit-power",
-            "title": TITLE,
-            "command": command,
+            **result_header("audit_power.py", argv, "audit-power", TITLE, "a simulation, no model"),
             "conditions": f"{args.vocab}-token vocabulary, logits of each node N(0, {args.scale:g}^2), "
                           f"{args.seeds} seeds per row (the fewest and most draft nodes), alpha = 1e-6, batches "
                           f"of {args.batch} nodes, at most {args.max_nodes:,} nodes. KL: the mean per node of the "

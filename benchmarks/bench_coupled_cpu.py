@@ -16,8 +16,6 @@ an interrupted run keeps what it measured; ``--result`` also writes the tau tabl
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -37,8 +35,7 @@ from common import (  # noqa: E402
     check_machine_class,
     check_new_files,
     check_positive,
-    cpu_name,
-    machine_class,
+    result_header,
     run_main,
 )
 from specdec.eval.divergence import greedy_identity  # noqa: E402
@@ -143,20 +140,17 @@ def tau_part(loaded, args, out: dict, save) -> None:
                       f"coupled {taus['coupled']:5.2f}", flush=True)
 
 
-def tau_result(args, loaded, tau: dict, command: str) -> dict:
+def tau_result(args, loaded, tau: dict) -> dict:
     """The tau part (``out["tau"]``) as a docs/results file: a row per temperature and drafter, a column per
     category, each cell tau under standard / coupled sampling."""
     cells = {(r["temperature"], r["drafter"], r["category"]): f"{r['standard']:.2f} / {r['coupled']:.2f}"
              for r in tau["rows"]}
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     return {
-        "date": datetime.date.today().isoformat(),
-        "machine_class": machine_class(),
-        "machine": f"{cpu_name()}, {torch.get_num_threads()} torch thread(s); embedded model ({loaded.name}), "
-                   f"{dtype}, seed {args.seed}, top-k off, every tree verified whole",
-        "benchmark": "coupled-tau",
-        "title": "Seeded sampling: tau under standard and coupled sampling, same prompts and seed",
-        "command": command,
+        **result_header("bench_coupled_cpu.py", None, "coupled-tau",
+                        "Seeded sampling: tau under standard and coupled sampling, same prompts and seed",
+                        f"embedded model ({loaded.name}), {dtype}, seed {args.seed}, top-k off, every tree verified "
+                        "whole"),
         "conditions": f"{tau['prompts_per_category']} prompt(s) per category x {tau['max_new_tokens']} new tokens, "
                       "each prompt alone; a cell is tau (committed tokens per target forward) under standard / "
                       "coupled sampling. tau counts tokens, not time.",
@@ -218,8 +212,7 @@ def main() -> None:
             tau_part(loaded, args, out, save)
         save()
         if args.result:
-            command = "python benchmarks/bench_coupled_cpu.py " + shlex.join(sys.argv[1:])
-            write_json(args.result, tau_result(args, loaded, out["tau"], command), indent=1)
+            write_json(args.result, tau_result(args, loaded, out["tau"]), indent=1)
     except SpecdecError as err:  # a model or checkpoint that is not there: one line
         ap.error(first_line(err))
     print(f"wrote {file}" + (f" and {args.result}" if args.result else ""))

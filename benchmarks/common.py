@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import copy
+import datetime
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -174,6 +176,16 @@ def cpu_name() -> str:
     """This CPU's model name (as the cost cache keys it: :func:`specdec.cpu_info.cpu_model`) and its logical CPUs."""
     count = len(cpu_info.cpuinfo_values("model name")) or os.cpu_count()
     return f"{cpu_info.cpu_model()}, {count} cores"
+
+
+def result_header(script: str, argv: list[str] | None, benchmark: str, title: str, machine: str) -> dict:
+    """The fields a docs/results file opens with (docs/gen_benchmarks.py): today's date, this CPU's machine class
+    and name with torch's thread count and ``machine`` after them, ``benchmark`` and ``title``, and the command that
+    wrote it: ``python benchmarks/SCRIPT`` with ``argv`` (None: the process's arguments)."""
+    args = sys.argv[1:] if argv is None else argv
+    return {"date": datetime.date.today().isoformat(), "machine_class": machine_class(),
+            "machine": f"{cpu_name()}, {torch.get_num_threads()} torch thread(s); {machine}", "benchmark": benchmark,
+            "title": title, "command": f"python benchmarks/{script} " + shlex.join(args)}
 
 
 def cpu_features() -> str:

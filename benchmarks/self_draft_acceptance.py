@@ -12,12 +12,8 @@ row sees the same answers. Deterministic for given options on one machine.
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -27,8 +23,7 @@ from common import (  # noqa: E402
     check_machine_class,
     check_new_files,
     check_positive,
-    cpu_name,
-    machine_class,
+    result_header,
     run_main,
 )
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
@@ -93,15 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         total = loaded.runner.shape.num_layers
         dtype = str(loaded.model.dtype).removeprefix("torch.")
-        command = "python benchmarks/self_draft_acceptance.py " + shlex.join(sys.argv[1:] if argv is None else argv)
         write_json(args.out, {
-            "date": datetime.date.today().isoformat(),
-            "machine_class": machine_class(),
-            "machine": f"{cpu_name()}, {torch.get_num_threads()} torch thread(s); {loaded.name} ({total} layers), "
-                       f"{dtype}, greedy",
-            "benchmark": "self-draft-acceptance",
-            "title": TITLE,
-            "command": command,
+            **result_header("self_draft_acceptance.py", argv, "self-draft-acceptance", TITLE,
+                            f"{loaded.name} ({total} layers), {dtype}, greedy"),
             "conditions": f"{args.prompts} {args.category} prompt(s) x {args.max_new_tokens} new tokens, one draft "
                           "token a step, every draft verified (speculation=\"always\"); acceptance: draft tokens "
                           "the target accepted over those it verified. Counts, not times.",

@@ -621,7 +621,6 @@ def test_audit_power_counts_the_nodes_until_a_liar_is_stopped_and_writes_the_sam
     within a few nodes and a subtle one not within a short budget."""
     script = _script("audit_power")
     monkeypatch.setattr(sys.modules["common"], "machine_class", lambda: "cpu-avx512")  # any CPU runs it
-    monkeypatch.setattr(script, "machine_class", lambda: "cpu-avx512")
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     for path in (first, second):
         assert script.main(["--seeds", "2", "--vocab", "401", "--max-nodes", "300", "--out", str(path)]) == 0
@@ -644,7 +643,6 @@ def test_coupled_tau_is_written_as_a_results_file_the_docs_read(tmp_path, monkey
     monkeypatch.setattr(coupled, "drafters", lambda loaded: {n: lambda n=n: (n, None) for n in ("ngram", "self-draft")})
     monkeypatch.setattr(coupled, "chat_ids", lambda tokenizer, text: [1, 2])
     monkeypatch.setattr(sys.modules["common"], "machine_class", lambda: "cpu-avx512")
-    monkeypatch.setattr(coupled, "machine_class", lambda: "cpu-avx512")
 
     def generate(loaded, prompts, max_new_tokens, drafter=None, sampler=None, **kw):
         steps = {("ngram", "standard"): 2, ("ngram", "coupled"): 3}.get((drafter, sampler), 4)
@@ -672,7 +670,6 @@ def test_self_draft_acceptance_sums_depth_one_over_the_prompts_into_a_results_fi
         **vars(_fake_loaded()), runner=SimpleNamespace(shape=SimpleNamespace(num_layers=30))))
     monkeypatch.setattr(script, "chat_ids", lambda tokenizer, text: [1, 2])
     monkeypatch.setattr(sys.modules["common"], "machine_class", lambda: "cpu-avx512")
-    monkeypatch.setattr(script, "machine_class", lambda: "cpu-avx512")
     calls = []
 
     def generate(loaded, prompts, max_new_tokens, drafter=None, drafter_options=None, speculation=None, **kw):
