@@ -146,15 +146,15 @@ def _tokenizer(path: Path, trust_remote_code: bool) -> Any:
     if not holds_tokenizer_files(path):
         logger.warning("no tokenizer loaded from %s: it %s; token ids only", path, NO_TOKENIZER_FILES)
         return None
+    needs_protobuf = _needs_protobuf(path)
     # without protobuf, transformers' five lines blaming it (then tiktoken) came before the one line below
-    quiet = logger_at("transformers", logging.ERROR) if _needs_protobuf(path) else nullcontext()
     try:
-        with quiet:
+        with logger_at("transformers", logging.ERROR) if needs_protobuf else nullcontext():
             return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a tokenizer.json it cannot parse
         # any failure leaves token ids, as a tokenizer that is not JSON does: one line, no traceback kept
         why = f"{type(err).__name__}: {textwrap.shorten(str(err), 300, placeholder=' ...')}"
-        if _needs_protobuf(path):  # transformers blamed a missing tiktoken, the fallback it tried last
+        if needs_protobuf:  # transformers blamed a missing tiktoken, the fallback it tried last
             why = "its SentencePiece tokenizer.model is read through protobuf, not installed: pip install protobuf"
         logger.warning("no tokenizer loaded from %s (%s); token ids only", path, why)
         return None
