@@ -137,6 +137,23 @@ def test_the_cli_refuses_them_before_the_model_loads(tmp_path, capsys, option):
     assert not out.exists()
 
 
+def test_heads_with_no_weight_to_train_are_refused_before_the_model_loads(tmp_path, capsys):
+    """--num-layers 0 --shared-lm-head makes each head the target's own LM head, with no weight of its own: the run
+    loaded the model (and self-distilled) before AdamW stopped it with a traceback ("empty parameter list")."""
+    from specdec.cli import main
+
+    with pytest.raises(ValueError, match=r"^num_layers 0 \(--num-layers\) with shared_lm_head"):
+        TrainConfig(model="m", output_dir="o", num_layers=0, shared_lm_head=True)
+    TrainConfig(model="m", output_dir="o", num_layers=0)  # its own LM heads are trained
+    TrainConfig(model="m", output_dir="o", num_layers=1, shared_lm_head=True)  # its blocks are
+    out = tmp_path / "run"
+    rc = main(["train-medusa", "--model", str(tmp_path / "no-such-model"), "--output-dir", str(out),
+               "--num-layers", "0", "--shared-lm-head"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "leaves the heads no weight to train" in err and not out.exists()
+
+
 @pytest.mark.parametrize("given, said", [
     (["--eval-prompts", "5"], "--eval-prompts sets"),
     (["--eval-max-new-tokens", "32", "--eval-tree", "dynamic"], "--eval-max-new-tokens, --eval-tree set"),

@@ -206,6 +206,10 @@ class TrainConfig:
             if getattr(self, name) != default[name]:
                 raise ValueError(f"{name} is {other}'s: training {self.drafter} does nothing with it; leave it at "
                                  f"{default[name]!r}")
+        if self.drafter == "medusa" and self.shared_lm_head and self.num_layers == 0:
+            raise ValueError("num_layers 0 (--num-layers) with shared_lm_head (--shared-lm-head) leaves the heads no "
+                             "weight to train (each would be the target's own LM head): give them a residual block "
+                             "(--num-layers 1), or their own LM heads")
         if self.data is not None and self.num_prompts is not None:
             raise ValueError("num_prompts (--num-prompts) limits the self-distillation prompts; with data (--data) "
                              "every record is used: leave it out")
