@@ -1927,6 +1927,65 @@ def test_medusa_head_i_loss_is_weighted_by_head_decay_to_the_power_i(tmp_path):
     assert medusa_recipe.MedusaRecipe(cfg, model, "cpu").weights == [1.0, 0.5, 0.25]
 
 
+@pytest.mark.parametrize("extra", [{}, dict(draft_vocab=tuple(range(0, 96, 2))), dict(shared_lm_head=True)],
+                         ids=["full", "draft-vocab", "shared"])
+def test_the_heads_are_trained_and_scored_on_what_the_drafter_drafts(extra):
+    """Training (head_loss), evaluation (head_accuracies, which picks the tree) and the drafter each shift positions
+    on their own: an off-by-one in one of them trains or scores heads for another position than the one they draft
+    (acceptance lost, unsaid). Along a greedy run of the drafter: at each step its head i's log-probabilities are
+    the training forward's at the row of the token before the root, whose training target is the token the target
+    committed at depth i + 1 of that step's tree; the evaluation's top-1 is the training's, head by head."""
+    from specdec.drafters.medusa import MedusaDrafter
+    from specdec.train.evaluate import head_accuracies
+
+    import specdec
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model()
+    lm_w = model.get_output_embeddings().weight.detach()
+    heads = MedusaHeads.from_lm_head(MedusaConfig(3, 1, 64, 96, **extra), lm_w)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    steps = []
+
+    class Recorder(MedusaDrafter):
+        def _head_logits(self, hidden, depth):
+            out = super()._head_logits(hidden, depth)
+            steps.append((len(self.views[0].token_ids), out[:, 0].float().log_softmax(-1)))
+            return out
+
+        def propose(self, seqs):
+            self.views = seqs
+            return super().propose(seqs)
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = specdec.generate(model, [prompt], drafter=Recorder(heads=heads, tree="dynamic", max_nodes=8),
+                           max_new_tokens=16, return_dict=True, speculation="always")
+    full = prompt + list(out.new_tokens[0])
+    ids, mask = features.collate([full], "cpu")
+    hidden, labels = features.target_features(model, ids, mask)
+    assert len(steps) > 3 and out.tau > 1
+    with torch.no_grad():
+        for n, drafted in steps:
+            t = n - 2  # the row of the token before the root (token_ids[-2])
+            for i in range(3):
+                x = heads.heads[i](hidden[0, t])
+                trained = (torch.nn.functional.linear(x, heads.lm_rows(lm_w)) if extra.get("shared_lm_head")
+                           else x).log_softmax(-1)
+                assert torch.allclose(trained, drafted[i], atol=1e-5), (n, i)
+                _, target = medusa_loss._head_targets(heads, i, labels, mask)
+                if t + 2 + i < len(full):  # the token committed at depth i + 1 of this step's tree
+                    want = torch.tensor([full[t + 2 + i]])
+                    want = want if heads.vocab() is None else heads.vocab().to_reduced(want)
+                    assert int(target[t]) == int(want), (n, i)
+        top1 = head_accuracies(model, heads, [full])["top1"]
+        for i in range(3):
+            _, correct, count = medusa_loss.head_loss(heads, i, hidden, labels, mask, lm_w)
+            assert top1[i] == pytest.approx(correct / count), i
+
+
 def test_an_eagle3_layer_has_its_own_lm_head_only_over_the_full_vocabulary(tiny, tmp_path):
     """EAGLE-3 over the full vocabulary has its own [V, H] LM head instead of the target's; over a reduced draft
     vocabulary its head is the draft vocabulary's, so no full-vocabulary one."""
