@@ -511,6 +511,25 @@ def test_kl_run_measures_tau_with_a_dynamic_tree(tiny, tmp_path):
         _cfg(tiny, tmp_path / "bad", eval_tree="beam")
 
 
+def test_the_dynamic_tau_tree_has_tree_budget_nodes_where_the_chosen_tree_has_fewer(tiny, tmp_path, monkeypatch):
+    """--eval-tree dynamic drafts the --tree-budget most probable paths (max_nodes=B top_k=min(20, B), as the help
+    says): one head ranks at most 10 tokens in the chosen tree, and the dynamic tree was cut to that tree's size too,
+    a smaller tree than asked for and than the drafter options the help gives reproduce."""
+    from specdec.drafters import medusa
+
+    asked = []
+    real = medusa.MedusaDrafter.__init__
+
+    def recorded(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        asked.append((self.config.max_nodes, self.config.top_k))
+
+    monkeypatch.setattr(medusa.MedusaDrafter, "__init__", recorded)
+    report = run_training(_cfg(tiny, tmp_path / "one", num_heads=1, eval_tree="dynamic", max_steps=2, tree_budget=16))
+    assert len(report["medusa_choices"]) <= 10 and report["tau"]["tree_nodes"] == 16
+    assert asked and set(asked) == {(16, 16)}
+
+
 def test_the_tau_measurement_draws_no_bar_off_a_terminal(tiny, tmp_path, capsys):
     """With progress on (the CLI's default), a run into a pipe or a log file drew no bar but the tau measurement's:
     generate()'s bar, shown whenever asked for, wrote its every redraw there."""

@@ -86,12 +86,14 @@ DYNAMIC_TOP_K = 20  # candidates per head of the dynamic eval tree
 
 
 def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
-                progress: bool = False, tree: str = "static") -> dict:
+                progress: bool = False, tree: str = "static", budget: int | None = None) -> dict:
     """Greedy generation with the Medusa drafter; tau = new tokens per target forward, every proposed tree verified
     whole (``speculation="always"``): tau measures the heads, not the break-even guard leaving them out.
 
-    ``tree="static"`` drafts the ``choices`` tree; ``"dynamic"`` drafts, per step, the
-    ``len(choices)`` most probable paths under the heads' top-``DYNAMIC_TOP_K`` tokens."""
+    ``tree="static"`` drafts the ``choices`` tree; ``"dynamic"`` drafts, per step, the ``budget`` (--tree-budget;
+    None: ``len(choices)``) most probable paths under the heads' top-``min(DYNAMIC_TOP_K, budget)`` tokens, the
+    drafter options ``tree=dynamic max_nodes=budget top_k=min(20, budget)``: the chosen tree may have fewer nodes
+    (no more paths of a measured accuracy above zero), which a dynamic tree does not read."""
     from specdec.drafters.medusa import MedusaDrafter
     from specdec.train.distill import encode_prompt
 
@@ -100,17 +102,18 @@ def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int,
     ids = [encode_prompt(loaded.tokenizer, p) for p in prompts]
     # generate() draws its bar wherever asked; off a terminal (a pipe, a log file) none, as the run's other bars
     on_terminal = progress and sys.stderr is not None and sys.stderr.isatty()
+    nodes = len(choices) if tree == "static" or budget is None else budget
     new = steps = 0
     for start in range(0, len(ids), batch_size):
         if tree == "static":
             drafter = MedusaDrafter(heads=heads, tree="static", medusa_choices=choices)
         else:
-            drafter = MedusaDrafter(heads=heads, tree="dynamic", max_nodes=len(choices),
+            drafter = MedusaDrafter(heads=heads, tree="dynamic", max_nodes=nodes,
                                     # a small draft vocabulary, or a tree of fewer nodes, holds fewer candidates
-                                    top_k=min(DYNAMIC_TOP_K, heads.config.draft_size, len(choices)))
+                                    top_k=min(DYNAMIC_TOP_K, heads.config.draft_size, nodes))
         out = generate(loaded, ids[start : start + batch_size], drafter=drafter, max_new_tokens=max_new_tokens,
                        return_dict=True, progress=on_terminal, speculation="always")
         new += sum(s.new_tokens for s in out.stats)
         steps += sum(s.steps for s in out.stats)
     return {"tau": new / max(1, steps), "new_tokens": new, "target_forwards": steps, "prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "tree": tree, "tree_nodes": len(choices)}
+            "max_new_tokens": max_new_tokens, "tree": tree, "tree_nodes": nodes}

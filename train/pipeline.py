@@ -413,7 +413,7 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
     tau = None
     if cfg.eval_tau:
         tau = measure_tau(loaded, heads, choices, eval_prompts(cfg.eval_prompts),
-                          cfg.eval_max_new_tokens, progress=cfg.progress, tree=cfg.eval_tree)
+                          cfg.eval_max_new_tokens, progress=cfg.progress, tree=cfg.eval_tree, budget=cfg.tree_budget)
     report = {
         "config": cfg.to_json(), "model": loaded.name, "train_sequences": len(train_seqs),
         "held_out_sequences": len(held_out), "accuracy_data": "held-out" if held_out else "training",
