@@ -11,6 +11,8 @@ decoded after the prompt's last token, whose text is then cut off: a SentencePie
 the leading space of a text's first token, which the first generated token keeps after a prompt.
 A byte-fallback decoder (Llama's, Mistral's) turns a whole run of byte tokens into U+FFFDs where the run is not
 valid UTF-8: a window starting inside a character grows, and the prompt's anchor starts at a whole character.
+A decoder that strips the text's end (transformers 5's SentencePieceBackend) drops the space of a last lone "▁": it
+is put back from the tokens' pieces, so that a stop string ending in a space stops where a fast tokenizer stops.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ WINDOW_SLACK_CHARS = 8
 # string holding U+FFFD stopped on every half-generated emoji); a real U+FFFD there is matched one token later.
 CUT = "\ufffd"
 UTF8_MAX_BYTES = 4  # a character takes at most this many byte tokens
+SPACE_PIECE = "\u2581"  # SentencePiece's "▁", a space in a token's piece
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class StopCriteria:
         anchor, anchor_text = self._anchor(tokens, start) if max_chars else ([], "")
         # tokens decoded per stop-string check: enough at >= 1 character per token, else it grows
         window = max_chars + WINDOW_SLACK_CHARS + 2
+        # a stripped space at the end completes only a stop string that ends in one
+        spaced_end = any(s.endswith(" ") for s in self.stop_strings)
         for i, tok in enumerate(committed):
             history.append(tok)
             if tok in self.eos_token_ids:
@@ -72,11 +77,31 @@ class StopCriteria:
                 return i + 1, "stop"
             if max_chars:
                 tail, window = self._tail(history, window, max_chars, anchor, anchor_text)
-                if any(s in tail.rstrip(CUT) for s in self.stop_strings):
+                tail = tail.rstrip(CUT)
+                if spaced_end:
+                    tail += self._stripped_spaces(history, tail)
+                if any(s in tail for s in self.stop_strings):
                     return i + 1, "stop"
             if generated + i + 1 >= self.max_new_tokens:
                 return i + 1, "length"
         return len(committed), None
+
+    def _stripped_spaces(self, history: list[int], text: str) -> str:
+        """The spaces of the text's last "▁" pieces that its decode stripped off its end (module doc): a lone "▁"
+        decodes to nothing there, and its space came only with the next token, a stop string ending in one a token
+        late. "" where the tokenizer has no pieces (convert_ids_to_tokens) or kept them."""
+        to_piece = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        if to_piece is None:
+            return ""
+        spaces = 0
+        for tok in reversed(history):
+            piece = to_piece(tok)
+            if not isinstance(piece, str):
+                break
+            spaces += len(piece) - len(piece.rstrip(SPACE_PIECE))
+            if piece.strip(SPACE_PIECE):  # a piece with other text ends the run of spaces
+                break
+        return " " * max(0, spaces - (len(text) - len(text.rstrip(" "))))
 
     def _anchor(self, tokens: Sequence[int], start: int) -> tuple[list[int], str]:
         """The prompt's last token and its text, decoded before a whole generated text (module doc); its last few

@@ -232,3 +232,37 @@ def test_a_prompt_ending_in_a_byte_fallback_character_anchors_the_generated_text
     assert stop.scan(prompt, new, start=len(prompt)) == (6, "stop")
     assert StopCriteria(1000, stop_strings=("y 🌙",), tokenizer=tok).scan(prompt, new, start=len(prompt)) == (
         len(new), None)  # the prompt's own text still counts for no match
+
+
+class StrippingPieces:
+    """SentencePiece pieces decoded as transformers 5's slow SentencePieceBackend decodes them: "▁" -> " ", then the
+    text stripped at both ends, so a last lone "▁" decodes to nothing until a later piece follows it."""
+
+    pieces = ["<s>", "▁User", ":", "▁", "h", "i", "▁a"]
+
+    def convert_ids_to_tokens(self, ids):
+        return self.pieces[ids] if isinstance(ids, int) else [self.pieces[i] for i in ids]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.pieces[i] for i in ids).replace("▁", " ").strip()
+
+
+class KeptPieces(StrippingPieces):
+    """The same pieces decoded as a fast tokenizer's Metaspace decoder does: only the text's first space dropped."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.pieces[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+
+@pytest.mark.parametrize("tokenizer", [StrippingPieces(), KeptPieces()], ids=["slow", "fast"])
+def test_a_stop_string_ending_in_a_space_stops_at_the_lone_space_piece_slow_or_fast(tokenizer):
+    """"User: " is complete at the lone "▁" after "▁User" ":"; the slow tokenizer's decode stripped that space off the
+    text's end, and the stop came a token late, at "h". Both tokenizers stop at the "▁", within a commit, at a
+    commit's end, and in a text whose window no longer starts at the first generated token."""
+    stop = StopCriteria(100, stop_strings=("User: ",), tokenizer=tokenizer)
+    assert stop.scan([0], [1, 2, 3, 4, 5], start=1) == (3, "stop")
+    assert stop.scan([0, 1, 2], [3], start=1) == (1, "stop")
+    long = [0] + [6] * 40
+    assert stop.scan(long + [1, 2], [3, 4], start=1) == (1, "stop")
+    assert stop.scan([0], [1, 2, 4, 3, 4], start=1) == (5, None)  # "User:h h": no space after the colon
+    assert StopCriteria(100, stop_strings=("a ",), tokenizer=tokenizer).scan([0], [6, 3, 3], start=1) == (2, "stop")
