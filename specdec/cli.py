@@ -30,7 +30,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from specdec import __version__
@@ -312,15 +312,17 @@ API_PHRASES = {"the call may raise CacheFullError (with the tokens generated so 
                "drafter=...": ("--drafter", "--drafter NAME")}
 
 
-def said_as_flags(message: str, flags: Collection[str] | None = None, options: Collection[str] = ()) -> str:
+def said_as_flags(message: str, flags: Collection[str] | None = None, options: Collection[str] = (),
+                  renamed: Mapping[str, str] | None = None) -> str:
     """``message`` with generate()'s argument names as the command line spells them (``num_blocks=2``:
     ``--num-blocks 2``, ``sampler='coupled'``: ``--sampler coupled``), and its words for a Python caller
     (API_PHRASES) as the command line meets them; only those of ``flags``, the command's options (None: every one,
     as ``specdec generate`` has them), and none of ``options``, the --drafter-option keys given (an EAGLE head's
-    ``top_k=10`` is the KEY the user typed, not --top-k)."""
+    ``top_k=10`` is the KEY the user typed, not --top-k). ``renamed``: an argument -> the flag that sets it where
+    that is spelt otherwise (a train command's ``--distill-max-new-tokens`` for ``max_new_tokens``)."""
     def said(m: re.Match) -> str:
         name = m.group(1) or m.group(2)
-        flag = "--" + name.replace("_", "-")
+        flag = (renamed or {}).get(name) or "--" + name.replace("_", "-")
         if flags is not None and flag not in flags or name in options:
             return m.group(0)
         if m.group(3) is not None:  # a quoted value: as typed
@@ -343,23 +345,24 @@ class _SaidAsFlags(logging.Filter):
     """A handler's filter: the text of a library record said as the command line spells it (:func:`said_as_flags`
     with ``flags``); applying it twice changes nothing (``--num-blocks`` is not matched again)."""
 
-    def __init__(self, flags: Collection[str], options: Collection[str]) -> None:
+    def __init__(self, flags: Collection[str], options: Collection[str], renamed: Mapping[str, str] | None) -> None:
         super().__init__()
-        self.flags, self.options = flags, options
+        self.flags, self.options, self.renamed = flags, options, renamed
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if (said := said_as_flags(text := record.getMessage(), self.flags, self.options)) != text:
+        if (said := said_as_flags(text := record.getMessage(), self.flags, self.options, self.renamed)) != text:
             record.msg, record.args = said, None
         return True
 
 
 @contextlib.contextmanager
-def warnings_as_flags(flags: Collection[str], options: Collection[str] = ()):
+def warnings_as_flags(flags: Collection[str], options: Collection[str] = (), renamed: Mapping[str, str] | None = None):
     """While a command runs, the library's warnings name its flags (``flags``: its options; ``options``: the
-    --drafter-option keys given, left alone), as its errors do: a warning read ``num_blocks=2 ...
-    max_new_tokens=40`` just above the error line naming ``--num-blocks 2``."""
-    said = _SaidAsFlags(flags, options)
-    handlers = list(logging.getLogger().handlers)
+    --drafter-option keys given, left alone; ``renamed``: :func:`said_as_flags`), as its errors do: a warning read
+    ``num_blocks=2 ... max_new_tokens=40`` just above the error line naming ``--num-blocks 2``. On the root logger's
+    handlers and the specdec logger's (a train command's train.log)."""
+    said = _SaidAsFlags(flags, options, renamed)
+    handlers = list(dict.fromkeys(logging.getLogger().handlers + logging.getLogger("specdec").handlers))
     for handler in handlers:
         handler.addFilter(said)
     try:

@@ -483,3 +483,40 @@ def test_reports_score_all_positions_and_the_responses_in_one_forward_of_the_tar
     assert list(got) == [r["top1"] for r in apart]
     assert evaluate.scoped_head_accuracies(model, heads, seqs, [None, [6] * 3]) == list(apart[:2])
     assert eagle_evaluate.scoped_eagle_accuracies(model, eagle, seqs, 2, [None, [6] * 3]) == list(apart[2:])
+
+
+def test_generates_warnings_name_the_train_option_that_set_the_count_of_new_tokens(tiny, tmp_path, monkeypatch,
+                                                                                     caplog):
+    """A model whose generation_config asks more new tokens (min_new_tokens) than a train run's answers hold: the
+    warning said "max_new_tokens=4", generate()'s argument, where the user typed --distill-max-new-tokens (and
+    --eval-max-new-tokens for the tau measurement)."""
+    import shutil
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny / "model", model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "min_new_tokens": 50}))
+    cfg = _distil_cfg(tiny, tmp_path, ["abc", "defg"], model=str(model), drafter="medusa", num_heads=2, eagle_steps=3,
+                      eval_tau=True, eval_prompts=2, eval_max_new_tokens=6)
+    with caplog.at_level(logging.WARNING):
+        run_training(cfg)
+    said = {r.getMessage() for r in caplog.records if "min_new_tokens" in r.getMessage()}
+    assert said == {f"min_new_tokens=50 is more than {flag} allows, so EOS is never allowed: every sequence runs to "
+                    f"{flag.split()[0]}" for flag in ("--distill-max-new-tokens 4", "--eval-max-new-tokens 6")}
+
+
+def test_the_tree_choices_warm_up_leaves_generates_warnings_to_the_timed_runs(monkeypatch, caplog):
+    """The warm-up asks fewer new tokens than --eval-max-new-tokens: its own warning about them ("max_new_tokens=8")
+    named a count the user never gave, before the timed runs' warnings of theirs."""
+    from specdec.train import eagle_evaluate
+
+    def run(loaded, ids, max_new_tokens, drafter=None, **config):
+        logging.getLogger("specdec.generate").warning("max_new_tokens=%d", max_new_tokens)
+        return 1.0, 1.0
+
+    monkeypatch.setattr(eagle_evaluate, "_run", run)
+    monkeypatch.setattr("specdec.drafters.eagle.EagleDrafter", lambda **options: options)
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        eagle_evaluate.choose_tree_by_speed(None, None, [[1]], 20, candidates=((1, 1, 1),))
+    assert [r.getMessage() for r in caplog.records if r.name == "specdec.generate"] == ["max_new_tokens=20"] * 2

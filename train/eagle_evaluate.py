@@ -18,6 +18,8 @@ import torch
 from specdec.train.eagle_loss import depth_rows, depth_targets, unrolled_passes
 from specdec.train.features import collate, scope_masks, target_features
 
+from specdec.log_levels import logger_at
+
 logger = logging.getLogger(__name__)
 
 # (depth, top_k, max_nodes) tried by choose_tree_by_speed: small trees for CPUs (on the 2-core CPU a 2-row verify
@@ -120,9 +122,11 @@ def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens
         bar = tqdm(total=len(candidates) * len(prompts), desc="tree choice", unit="prompt", disable=None)
     # warm-up, with a drafter: the first drafting call of a process loads (on a fresh machine: calibrates, ~10 s)
     # the cost model, which once landed in the first candidate's time (depth 1 measured 0.90x, then 1.17x)
-    # (no more new tokens than the measurement's own: those fit in the model's context)
-    _run(loaded, prompts[:1], min(8, max_new_tokens), EagleDrafter(model=eagle, depth=1, top_k=1, max_nodes=1),
-         **config)
+    # (no more new tokens than the measurement's own: those fit in the model's context); generate()'s warnings are
+    # the timed runs' to say, of their count of new tokens (the caller's), not the warm-up's fewer
+    with logger_at("specdec.generate", logging.ERROR):
+        _run(loaded, prompts[:1], min(8, max_new_tokens), EagleDrafter(model=eagle, depth=1, top_k=1, max_nodes=1),
+             **config)
     worse_in_a_row = 0
     for depth, top_k, nodes in candidates:
         plain, runs = [], []

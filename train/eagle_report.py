@@ -24,7 +24,7 @@ from specdec.train.eagle_evaluate import (
     tree_pays,
 )
 from specdec.train.loop import number
-from specdec.train.pipeline import measured, trained_steps, write_report
+from specdec.train.pipeline import measured, trained_steps, warnings_naming, write_report
 from specdec.train.run_seconds import run_seconds, wall_time_line
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,9 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
 
         prompts = [encode_prompt(loaded.tokenizer, p) for p in eval_prompts(cfg.eval_prompts)]
         save_eagle(eagle, out)  # the measurement below loads nothing, but a kill here keeps the weights
-        (depth, top_k, nodes), tree_table = choose_tree_by_speed(loaded, eagle, prompts, cfg.eval_max_new_tokens,
-                                                                 progress=cfg.progress)
+        with warnings_naming("--eval-max-new-tokens"):
+            (depth, top_k, nodes), tree_table = choose_tree_by_speed(loaded, eagle, prompts, cfg.eval_max_new_tokens,
+                                                                     progress=cfg.progress)
         choice = {"by": "speed", "pays": any(tree_pays(m) for m in tree_table)}
     else:  # nothing timed: the depth the accuracies support, at most the trained one
         which = "response_top1" if (acc.get("response_top1") or [None])[0] is not None else "top1"

@@ -126,8 +126,9 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
         raise TrainDataError(f"--seq-len {cfg.seq_len} is too short for the prompts: sequences are cut from their "
                              f"start, so no answer token would be kept (the longest prompt has {max(lengths)} tokens)")
     _check_answers_fit(loaded.runner.shape, lengths, cfg.distill_max_new_tokens)
-    seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens, batch_size=cfg.distill_batch_size,
-                        progress=cfg.progress, cuda_graphs=graphs, team=team)
+    with warnings_naming("--distill-max-new-tokens"):
+        seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens,
+                            batch_size=cfg.distill_batch_size, progress=cfg.progress, cuda_graphs=graphs, team=team)
     cut = sum(len(s) > n >= cfg.seq_len for s, n in zip(seqs, lengths, strict=True))
     if cut and team.index == 0:  # every process has every sequence: one says it
         logger.warning("%d of %d self-distilled sequences keep no answer token: their prompts are at least --seq-len "
@@ -135,6 +136,14 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
                        cfg.seq_len, max(lengths))
     seqs = [s[: cfg.seq_len] for s in seqs]
     return seqs, {tuple(s): n for s, n in zip(seqs, lengths, strict=True)}
+
+
+def warnings_naming(flag: str) -> contextlib.AbstractContextManager:
+    """While the target answers in ``flag`` new tokens (--distill-max-new-tokens, --eval-max-new-tokens), the warnings
+    of generate() name that option, where they said its argument (``max_new_tokens=4``)."""
+    from specdec.cli import warnings_as_flags
+
+    return warnings_as_flags((flag,), renamed={"max_new_tokens": flag})
 
 
 def _check_answers_fit(shape, lengths: list[int], max_new_tokens: int, flag: str = "--distill-max-new-tokens",
@@ -412,8 +421,10 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
     save_medusa(heads, out)
     tau = None
     if cfg.eval_tau:
-        tau = measure_tau(loaded, heads, choices, eval_prompts(cfg.eval_prompts),
-                          cfg.eval_max_new_tokens, progress=cfg.progress, tree=cfg.eval_tree, budget=cfg.tree_budget)
+        with warnings_naming("--eval-max-new-tokens"):
+            tau = measure_tau(loaded, heads, choices, eval_prompts(cfg.eval_prompts),
+                              cfg.eval_max_new_tokens, progress=cfg.progress, tree=cfg.eval_tree,
+                              budget=cfg.tree_budget)
     report = {
         "config": cfg.to_json(), "model": loaded.name, "train_sequences": len(train_seqs),
         "held_out_sequences": len(held_out), "accuracy_data": "held-out" if held_out else "training",
