@@ -42,7 +42,6 @@ from specdec.eval.divergence import greedy_identity  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
 from specdec.atomic_write import write_json  # noqa: E402
-from specdec.errors import SpecdecError, first_line  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
@@ -199,22 +198,19 @@ def main() -> None:
         if args.part != "tau":
             ap.error(f"--result: only with --part tau (got --part {args.part})")
         check_machine_class(ap, "--result")
-    try:
-        loaded = load_model(args.model)
-        out: dict = {"model": loaded.name, "seed": args.seed}
+    loaded = load_model(args.model)
+    out: dict = {"model": loaded.name, "seed": args.seed}
 
-        def save():  # after every row, atomically: a run stopped part way keeps the rows it finished
-            write_json(file, out, indent=2)
+    def save():  # after every row, atomically: a run stopped part way keeps the rows it finished
+        write_json(file, out, indent=2)
 
-        if args.part in ("identity", "both"):
-            identity_part(loaded, args, out, save)
-        if args.part in ("tau", "both"):
-            tau_part(loaded, args, out, save)
-        save()
-        if args.result:
-            write_json(args.result, tau_result(args, loaded, out["tau"]), indent=1)
-    except SpecdecError as err:  # a model or checkpoint that is not there: one line
-        ap.error(first_line(err))
+    if args.part in ("identity", "both"):
+        identity_part(loaded, args, out, save)
+    if args.part in ("tau", "both"):
+        tau_part(loaded, args, out, save)
+    save()
+    if args.result:
+        write_json(args.result, tau_result(args, loaded, out["tau"]), indent=1)
     print(f"wrote {file}" + (f" and {args.result}" if args.result else ""))
 
 

@@ -67,7 +67,6 @@ from common import (  # noqa: E402
 
 from specdec.atomic_write import write_json  # noqa: E402
 from specdec.cost_model import load_cost_model  # noqa: E402
-from specdec.errors import SpecdecError, first_line  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
 
@@ -374,8 +373,6 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
         if args.grid:
             return grid_mode(args, loaded, table, run, every_drafter)
         category_mode(args, loaded, table, run)
-    except SpecdecError as err:  # a model or checkpoint that is not there: one line
-        ap.error(first_line(err))
     finally:
         torch.set_grad_enabled(True)
     return None

@@ -39,7 +39,6 @@ from common import (  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
 from specdec.atomic_write import write_json  # noqa: E402
-from specdec.errors import SpecdecError, first_line  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 from specdec.output import acceptance_rates  # noqa: E402
 
@@ -81,8 +80,6 @@ def main() -> None:
     check_new_files(ap, args.overwrite, args.json)
     try:
         measure(args, categories)
-    except SpecdecError as err:  # a checkpoint that is not there or not a layer: one line
-        ap.error(first_line(err))
     finally:
         torch.set_grad_enabled(True)
 

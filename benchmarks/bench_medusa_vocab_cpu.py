@@ -39,7 +39,6 @@ from specdec.drafters.vocab_sources import builtin_prompt_tokens  # noqa: E402
 from specdec.eval.prompts import load_prompts  # noqa: E402
 
 from specdec.atomic_write import write_json  # noqa: E402
-from specdec.errors import SpecdecError, first_line  # noqa: E402
 from specdec.generation_config import GenerationConfig  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
@@ -72,11 +71,8 @@ def main() -> None:
     loaded = load_model("default")
     tok = loaded.tokenizer
     ids = builtin_prompt_tokens(tok, args.draft_vocab)
-    try:
-        full = load_medusa(args.full_path) if args.full_path else untrained_heads(loaded)
-        reduced = load_medusa(args.reduced_path) if args.reduced_path else untrained_heads(loaded, ids)
-    except SpecdecError as err:  # a checkpoint that is not there or not Medusa heads: one line
-        ap.error(first_line(err))
+    full = load_medusa(args.full_path) if args.full_path else untrained_heads(loaded)
+    reduced = load_medusa(args.reduced_path) if args.reduced_path else untrained_heads(loaded, ids)
     n_reduced = reduced.config.draft_size
     table = {
         "plain": lambda: None,

@@ -17,6 +17,7 @@ import torch
 
 from specdec import cpu_info
 from specdec.cli import transformers_bars
+from specdec.errors import SpecdecError, first_line
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
 
@@ -197,9 +198,11 @@ def cpu_features() -> str:
 
 def run_main(main) -> None:
     """A script's ``main()`` run as a command: exit with its status; Ctrl-C (or SIGTERM: ``timeout``, a scheduler)
-    ends it in one line, status 130 (143), not in a traceback. A result file is written whole or not at all
-    (specdec.atomic_write), so what a script had written before stays as it was. transformers' progress bars
-    (loading weights) are off, as the specdec commands have them without -v: a script's output is its measurements."""
+    ends it in one line, status 130 (143), not in a traceback, and so does specdec's refusal (a model or checkpoint
+    that is not there, a layer count the model lacks: SpecdecError), as ``SCRIPT: error: ...``, status 2, as the
+    script's own argument errors. A result file is written whole or not at all (specdec.atomic_write), so what a
+    script had written before stays as it was. transformers' progress bars (loading weights) are off, as the
+    specdec commands have them without -v: a script's output is its measurements."""
     try:
         with sigterm_as_interrupt(), transformers_bars(shown=False):
             code = main()
@@ -207,4 +210,8 @@ def run_main(main) -> None:
         sys.stdout.flush()
         print(f"{Path(sys.argv[0]).name}: {how_stopped(err)}", file=sys.stderr)
         code = exit_code(err)
+    except SpecdecError as err:
+        sys.stdout.flush()
+        print(f"{Path(sys.argv[0]).name}: error: {first_line(err)}", file=sys.stderr)
+        code = 2
     sys.exit(code)

@@ -27,13 +27,17 @@ import collections
 import copy
 import dataclasses
 import os
+import sys
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
 
-from specdec.errors import SpecdecError, first_line  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import HelpWithDefaults, run_main  # noqa: E402
+
 from specdec.launches import Launches  # noqa: E402
 from specdec.models.llama import LlamaRunner  # noqa: E402
 
@@ -193,7 +197,7 @@ def eagle_tree(text: str) -> tuple[int, int] | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     ap.add_argument("--model", default="synthetic:smollm2-135m@tiny")
     ap.add_argument("--batch", type=int, default=1, help="sequences of the graphed plain steps")
     ap.add_argument("--eagle", default="6,1", type=eagle_tree, metavar="DEPTH,TOP_K",
@@ -211,10 +215,7 @@ def main(argv=None) -> int:
     from specdec.models.fused_projections import pack_projections
     from specdec.models.loader import load_model
 
-    try:
-        loaded = load_model(args.model, device="cpu")
-    except SpecdecError as err:  # a model that is not there: one line
-        ap.error(first_line(err))
+    loaded = load_model(args.model, device="cpu")
     layers = len(loaded.model.model.layers)
     if layers < 2:
         ap.error("the model needs at least 2 layers (a layer's launches are the full forward's less a 1-layer one's)")
@@ -254,4 +255,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -29,7 +29,6 @@ from common import (  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
 from specdec.atomic_write import write_json  # noqa: E402
-from specdec.errors import SpecdecError, first_line  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
@@ -75,16 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         check_machine_class(ap, "--out")
         check_new_files(ap, args.overwrite, args.out)
-    try:
-        loaded = load_model(args.model)
-        prompts = [chat_ids(loaded.tokenizer, t) for t in load_prompts(args.category, args.prompts)]
-        rows = []
-        for n in layers:
-            accepted, tried = acceptance(loaded, prompts, n, args.max_new_tokens)
-            rows.append([str(n), f"{100 * accepted / max(tried, 1):.0f}%", f"{accepted:,} / {tried:,}"])
-            print(" | ".join(rows[-1]), flush=True)
-    except SpecdecError as err:  # a model that is not there, a layer count it does not have: one line
-        ap.error(first_line(err))
+    loaded = load_model(args.model)
+    prompts = [chat_ids(loaded.tokenizer, t) for t in load_prompts(args.category, args.prompts)]
+    rows = []
+    for n in layers:
+        accepted, tried = acceptance(loaded, prompts, n, args.max_new_tokens)
+        rows.append([str(n), f"{100 * accepted / max(tried, 1):.0f}%", f"{accepted:,} / {tried:,}"])
+        print(" | ".join(rows[-1]), flush=True)
     if args.out:
         total = loaded.runner.shape.num_layers
         dtype = str(loaded.model.dtype).removeprefix("torch.")

@@ -213,9 +213,9 @@ def test_a_model_that_is_not_there_is_a_one_line_error(name, argv, tmp_path, mon
     module = _script(name)
     argv = [a.format(dir=tmp_path) for a in argv] + ["--model", str(tmp_path / "no-model")]
     with pytest.raises(SystemExit) as exit_:
-        _run(module, argv, monkeypatch)
+        _script("common").run_main(lambda: _run(module, argv, monkeypatch))
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and "unknown model" in err[-1] and "Traceback" not in "".join(err)
+    assert exit_.value.code == 2 and err[-1].startswith("script: error: unknown model") and len(err) == 1
 
 
 def test_an_eagle_checkpoint_that_is_not_there_is_a_one_line_error(monkeypatch, capsys):
@@ -230,9 +230,10 @@ def test_an_eagle_checkpoint_that_is_not_there_is_a_one_line_error(monkeypatch, 
     monkeypatch.setattr(module, "load_model", lambda name: _fake_loaded())
     monkeypatch.setattr(module, "time_specdec", specdec_call)
     with pytest.raises(SystemExit) as exit_:
-        _run(module, ["--eagle-path", "no-layer", "--categories", "chat", "--prompts", "1"], monkeypatch)
+        _script("common").run_main(
+            lambda: _run(module, ["--eagle-path", "no-layer", "--categories", "chat", "--prompts", "1"], monkeypatch))
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and err[-1].endswith("error: EAGLE checkpoint directory not found: no-layer")
+    assert err == ["script: error: EAGLE checkpoint directory not found: no-layer"] and exit_.value.code == 2
     assert torch.is_grad_enabled()  # switched back on, as after a finished run
 
 
@@ -421,8 +422,8 @@ def test_every_benchmark_writes_its_result_files_whole():
 
 INTERRUPTIBLE = ("audit_power", "bench_coupled_cpu", "bench_drafters_cpu", "bench_e2e_gpu", "bench_eagle_cpu",
                  "bench_host_overhead", "bench_invariant_cpu", "bench_medusa_vocab_cpu", "bench_ngram_cpu",
-                 "bench_plain_cpu", "bench_policy_host", "bench_speed_gpu", "bench_verify_cost", "profile_short_call",
-                 "self_draft_acceptance")
+                 "bench_plain_cpu", "bench_policy_host", "bench_speed_gpu", "bench_verify_cost", "count_launches",
+                 "profile_short_call", "self_draft_acceptance")
 
 
 @pytest.mark.parametrize("name", INTERRUPTIBLE)
@@ -450,6 +451,29 @@ def test_a_benchmark_stopped_by_ctrl_c_or_sigterm_says_so_in_one_line(stop, code
         with pytest.raises(SystemExit) as exit_:
             common.run_main(lambda returned=returned: returned)
         assert exit_.value.code == returned
+
+
+def test_specdecs_refusal_ends_a_benchmark_in_one_line_and_other_errors_keep_their_traceback(monkeypatch, capsys):
+    """Each script caught SpecdecError around its own lines (the model's load, or its whole measurement: six wraps,
+    some scripts none) and said it through argparse; run_main says it for every script, after what was printed."""
+    from specdec.errors import InputError
+
+    common = _script("common")
+    monkeypatch.setattr(sys, "argv", ["benchmarks/self_draft_acceptance.py"])
+
+    def main():
+        print("measured so far")
+        raise InputError("the model has 30 layers, not 40\n(a second line)")
+
+    with pytest.raises(SystemExit) as exit_:
+        common.run_main(main)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "measured so far\n"
+    assert err == "self_draft_acceptance.py: error: the model has 30 layers, not 40\n"
+    with pytest.raises(ZeroDivisionError):
+        common.run_main(lambda: 1 / 0)
+    assert not [p.name for p in BENCHMARKS.glob("*.py") if "except SpecdecError" in p.read_text()
+                and p.name != "common.py"]
 
 
 def test_a_benchmark_runs_without_transformers_progress_bars():
