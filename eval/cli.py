@@ -438,14 +438,9 @@ def _size_overrides(args) -> dict:
 
 def _check_identity_fits(loaded, prompts: list[list[int]], tokens: int) -> None:
     """Refuse, naming --identity-tokens, a size whose greedy answers would run past the model's context."""
-    shape = loaded.runner.shape
-    limit = shape.max_positions  # the context, or the sliding window + 1 where smaller
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-    n = len(prompts[longest])
-    if n + tokens > limit:
-        room = f"lower it to {limit - n} or less" if limit > n else f"the prompt alone fills the {shape.limit_words}"
-        raise ValueError(f"--identity-tokens {tokens}: identity prompt {longest} ({n} tokens) + {tokens} new "
-                         f"tokens exceeds the model's {shape.limit_words}; {room}")
+    loaded.runner.shape.check_answer_fits(f"identity prompt {longest}", len(prompts[longest]), "--identity-tokens",
+                                          tokens)
 
 
 def _size_flags(check) -> str | None:

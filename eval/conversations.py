@@ -27,7 +27,6 @@ from specdec.eval.acceptance import Cell, SuiteConfig, check_resume, run_suite
 from specdec.eval.prompt_files import Conversation, cell_turns, turn_cell
 
 from specdec.atomic_write import write_json
-from specdec.errors import InputError
 from specdec.generate import generate
 from specdec.generate_inputs import check_encoded
 
@@ -87,7 +86,7 @@ def check_prompts_fit(loaded: Any, conversations: list[Conversation], ids: dict[
     shape = loaded.runner.shape
     limit = shape.max_positions  # the context, or the sliding window + 1 where smaller
     for i, prompt in ids.items():
-        if len(prompt) + max_new_tokens <= limit:
+        if len(prompt) + max_new_tokens <= limit:  # the advice below is worked out for a prompt that does not fit
             continue
         k = _built_in_index(conversations, i)
         leave = ("leave it out of the file" if k is None else f"--prompts {k - 1} leaves it out" if k > 1 else
@@ -96,9 +95,8 @@ def check_prompts_fit(loaded: Any, conversations: list[Conversation], ids: dict[
         # turn - 1 earlier answers and this one, each at most the advised count
         fits = (limit - len(prompt) + earlier) // (turn if earlier else 1)
         also = " (the answers of its earlier turns shorten with it)" if earlier else ""
-        lower = f"lower --max-new-tokens to {fits} or less{also}, or " if fits >= 1 else ""
-        raise InputError(f"{prompt_name(conversations, i, turn)}: its {len(prompt)} tokens + --max-new-tokens "
-                         f"{max_new_tokens} exceed the model's {shape.limit_words}; {lower}{leave}")
+        shape.check_answer_fits(prompt_name(conversations, i, turn), len(prompt), "--max-new-tokens", max_new_tokens,
+                                fits, also, leave)
 
 
 def system_messages(c: Conversation) -> Messages:

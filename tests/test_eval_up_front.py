@@ -186,8 +186,8 @@ def test_identity_tokens_past_the_context_are_refused_before_any_check_runs(ckpt
     code, captured = _main(["eval", "lossless", "--model", ckpt, "--levels", "e2e", "--identity-prompts", "1",
                             "--identity-tokens", "1000", "--out", str(tmp_path / "c")], capsys)
     line = _one_line(captured)
-    assert code == 2 and "--identity-tokens 1000: identity prompt 0 (" in line
-    assert "exceeds the model's context of 512 tokens; lower it to" in line
+    assert code == 2 and "identity prompt 0: its " in line
+    assert "+ --identity-tokens 1000 exceed the model's context of 512 tokens; lower --identity-tokens to" in line
 
 
 def test_identity_prompts_without_room_for_the_sampled_tokens_are_refused_before_any_check_runs(tmp_path, capsys,

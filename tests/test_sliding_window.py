@@ -164,7 +164,35 @@ def test_the_eval_commands_name_the_window_too(mistral):
     window = rf"sliding window of {WINDOW} tokens plus the last new token \({WINDOW + 1} in all\)"
     with pytest.raises(InputError, match=rf"exceed the model's {window}; lower --max-new-tokens to 7 or less"):
         check_prompts_fit(loaded, chat, {0: [5] * 10}, 1, 8)
-    with pytest.raises(ValueError, match=rf"exceeds the model's {window}; lower it to 7"):
+    with pytest.raises(InputError, match=rf"exceed the model's {window}; lower --identity-tokens to 7 or less$"):
         _check_identity_fits(loaded, [[5] * 10], 8)
-    with pytest.raises(ValueError, match=rf"the prompt alone fills the {window}"):
+    with pytest.raises(InputError, match=rf"exceed the model's {window}; the prompt alone fills it$"):
         _check_identity_fits(loaded, [[5] * (WINDOW + 1)], 1)
+
+
+def test_the_commands_context_checks_say_it_in_one_wording(mistral):
+    """train's answers, eval lossless's identity answers and eval acceptance's conversation prompts were each refused
+    in words of their own ("--identity-tokens 8: identity prompt 0 (10 tokens) + 8 new tokens exceeds ...; lower it
+    to 7" beside "p.jsonl:1: its 10 tokens + --max-new-tokens 8 exceed ...; lower --max-new-tokens to 7"); one
+    wording now, each with its prompt, its option and its other way out."""
+    from types import SimpleNamespace
+
+    from specdec.eval.cli import _check_identity_fits
+    from specdec.eval.conversations import check_prompts_fit
+    from specdec.eval.prompt_files import Conversation
+    from specdec.train.pipeline import _check_answers_fit
+
+    runner = LlamaRunner(mistral)
+    window = f"sliding window of {WINDOW} tokens plus the last new token ({WINDOW + 1} in all)"
+    said = []
+    for check in (lambda: _check_answers_fit(runner.shape, [3, 10], 8),
+                  lambda: _check_identity_fits(SimpleNamespace(runner=runner), [[5] * 10], 8),
+                  lambda: check_prompts_fit(SimpleNamespace(runner=runner),
+                                            [Conversation("chat", ("hi",), where="p.jsonl:1")], {0: [5] * 10}, 1, 8)):
+        with pytest.raises(InputError) as err:
+            check()
+        said.append(str(err.value))
+    assert said == [f"{prompt}: its 10 tokens + {flag} 8 exceed the model's {window}; lower {flag} to 7 or less{more}"
+                    for prompt, flag, more in (("the longest prompt", "--distill-max-new-tokens", ""),
+                                               ("identity prompt 0", "--identity-tokens", ""),
+                                               ("p.jsonl:1", "--max-new-tokens", ", or leave it out of the file"))]

@@ -222,8 +222,8 @@ def test_answers_past_the_context_are_refused_naming_the_flag_before_distilling(
     monkeypatch.setattr(distill, "self_distill", lambda *a, **k: pytest.fail("distilled"))
     with pytest.raises(InputError) as err:
         run_training(_distil_cfg(tiny, tmp_path, ["abc", "defgh"], distill_max_new_tokens=600))
-    assert str(err.value) == ("--distill-max-new-tokens 600: the longest prompt (5 tokens) + 600 new tokens exceeds "
-                              "the model's context of 512 tokens; lower it to 507 or less")
+    assert str(err.value) == ("the longest prompt: its 5 tokens + --distill-max-new-tokens 600 exceed the model's "
+                              "context of 512 tokens; lower --distill-max-new-tokens to 507 or less")
 
 
 def test_tau_answers_past_the_context_are_refused_before_training(tiny, tmp_path):
@@ -231,9 +231,9 @@ def test_tau_answers_past_the_context_are_refused_before_training(tiny, tmp_path
     context it ended a finished training in generate()'s refusal, without a report. Refused before the output
     folder is made, naming the flag."""
     cfg = _distil_cfg(tiny, tmp_path, ["abc"], eval_tau=True, eval_prompts=2, eval_max_new_tokens=600)
-    with pytest.raises(InputError, match=r"^--eval-max-new-tokens 600: the longest tau-measurement prompt \((\d+) "
-                                         r"tokens\) \+ 600 new tokens exceeds the model's context of 512 tokens; "
-                                         r"lower it to \d+ or less, or pass --no-eval-tau$"):
+    with pytest.raises(InputError, match=r"^the longest tau-measurement prompt: its \d+ tokens \+ "
+                                         r"--eval-max-new-tokens 600 exceed the model's context of 512 tokens; "
+                                         r"lower --eval-max-new-tokens to \d+ or less, or pass --no-eval-tau$"):
         run_training(cfg)
     assert not (tmp_path / "run").exists()
 

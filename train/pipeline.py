@@ -151,13 +151,8 @@ def _check_answers_fit(shape, lengths: list[int], max_new_tokens: int, flag: str
     """Refuse, naming ``flag``, answers of ``max_new_tokens`` to prompts of ``lengths`` tokens that would run past the
     model's context (or its sliding window + 1: ``shape.max_positions``), before the target answers: generate()
     refuses them when it gets there (the tau measurement's, after training). ``instead``: another way out, said last."""
-    longest = max(lengths, default=0)
-    limit = shape.max_positions
-    if longest + max_new_tokens > limit:
-        room = (f"lower it to {limit - longest} or less" if limit > longest else
-                f"that prompt alone fills the {shape.limit_words}: shorten it")
-        raise InputError(f"{flag} {max_new_tokens}: the longest {prompts} ({longest} tokens) + {max_new_tokens} new "
-                         f"tokens exceeds the model's {shape.limit_words}; {room}{instead}")
+    shape.check_answer_fits(f"the longest {prompts}", max(lengths, default=0), flag, max_new_tokens,
+                            instead=instead)
 
 
 def choose_draft_vocab(cfg: TrainConfig, train_seqs: list[list[int]], model) -> tuple[tuple[int, ...], dict]:
@@ -368,7 +363,7 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
         _check_answers_fit(loaded.runner.shape, [len(encode_prompt(loaded.tokenizer, p)) for p in
                                                  eval_prompts(cfg.eval_prompts)],
                            cfg.eval_max_new_tokens, "--eval-max-new-tokens", "tau-measurement prompt",
-                           ", or pass --no-eval-tau")
+                           "pass --no-eval-tau")
     resume_from = None
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)

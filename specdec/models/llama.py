@@ -97,6 +97,21 @@ class ModelShape:
                if self.rope_grows else "")
         raise InputError(f"{asked} exceeds the model's {self.limit_words}{why}; {advice}")
 
+    def check_answer_fits(self, prompt: str, prompt_tokens: int, flag: str, new_tokens: int, fits: int | None = None,
+                          also: str = "", instead: str = "") -> None:
+        """An InputError naming ``flag`` (the command's option that sets ``new_tokens``) unless an answer of
+        ``new_tokens`` to a prompt of ``prompt_tokens`` (``prompt``: what the message calls it) fits: the one wording
+        of the commands' checks before they run (train's answers and tau prompts, eval's identity and conversation
+        prompts). ``fits``: the most ``flag`` may be (default: what the prompt leaves), advised where >= 1, followed
+        by ``also``; ``instead``: another way out, said last."""
+        if prompt_tokens + new_tokens <= self.max_positions:
+            return
+        fits = self.max_positions - prompt_tokens if fits is None else fits
+        lower = f"lower {flag} to {fits} or less{also}" if fits >= 1 else ""
+        advice = ", or ".join(way for way in (lower, instead) if way) or "the prompt alone fills it"
+        raise InputError(f"{prompt}: its {prompt_tokens} tokens + {flag} {new_tokens} exceed the model's "
+                         f"{self.limit_words}; {advice}")
+
 
 @dataclass(frozen=True)
 class ForwardOutput:
