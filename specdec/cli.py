@@ -34,7 +34,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from specdec import __version__
-from specdec.errors import SpecdecError, other_unicode
+from specdec.errors import SpecdecError, not_utf8_at, other_unicode
 from specdec.help_format import name_commands, path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
@@ -124,7 +124,8 @@ class _Collected:
 
 def _decode(data: bytes, source: str, hint: str = "convert it first, e.g. with iconv -t UTF-8") -> str:
     """`data` as UTF-8 text with universal newlines (as a text-mode read gives it) and without a leading byte-order
-    mark (as the eval prompt files are read), or a CLIError naming `source` and the first offending byte."""
+    mark (as the eval prompt files are read), or a CLIError naming `source` and where the first offending byte is
+    (its line and byte, as every refusal of a text file says it: :func:`specdec.errors.not_utf8_at`)."""
     if (other := other_unicode(data)) is not None:  # text, whose NUL bytes said "looks binary"
         raise CLIError(f"{source} is {other} text (by its byte-order mark); the prompt must be UTF-8 text: convert it "
                        f"first, e.g. with iconv -f {other} -t UTF-8")
@@ -133,8 +134,7 @@ def _decode(data: bytes, source: str, hint: str = "convert it first, e.g. with i
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise CLIError(f"{source} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); {hint}") \
-            from None
+        raise CLIError(f"{source} is not UTF-8 text ({not_utf8_at(data, err)}); {hint}") from None
     return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 

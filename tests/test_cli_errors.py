@@ -78,7 +78,8 @@ def test_empty_stdin_says_where_the_prompt_came_from(ckpt, capsys, monkeypatch):
     (b"\xff\xfeh\x00i\x00", "is UTF-16 text (by its byte-order mark); the prompt must be UTF-8 text: convert it "
                            "first, e.g. with iconv -f UTF-16 -t UTF-8"),  # UTF-16, Notepad's "Unicode": not binary
     (b"\xff\xfe\x00\x00h\x00\x00\x00", "is UTF-32 text"),                    # UTF-32
-    ("café au lait".encode("latin-1"), "byte 0xe9 at offset 3"),  # Latin-1
+    ("café au lait".encode("latin-1"), "is not UTF-8 text (line 1, byte 3: invalid continuation byte)"),  # Latin-1
+    ("tea\ncafé au lait".encode("latin-1"), "(line 2, byte 3: invalid continuation byte)"),  # where a file says it
 ])
 def test_prompt_file_that_is_not_utf8_text_is_named(content, what, ckpt, capsys, tmp_path):
     path = tmp_path / "prompt.bin"
@@ -93,7 +94,7 @@ def test_stdin_that_is_not_utf8_text_is_named(ckpt, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("café".encode("latin-1")), encoding="utf-8"))
     rc, _, err = run(capsys, "--model", ckpt)
     line = error_line(err)
-    assert rc == 2 and "stdin is not UTF-8 text (byte 0xe9 at offset 3)" in line, line
+    assert rc == 2 and "stdin is not UTF-8 text (line 1, byte 3: unexpected end of data)" in line, line
 
 
 @pytest.mark.parametrize("make_argv, source", [
@@ -107,7 +108,7 @@ def test_non_utf8_arguments_are_named(make_argv, source, ckpt, capsys):
     bad = os.fsdecode(b"caf\xe9")
     rc, _, err = run(capsys, *make_argv(bad), "--model", ckpt)
     line = error_line(err)
-    assert rc == 2 and f"{source} is not UTF-8 text (byte 0xe9 at offset 3)" in line, line
+    assert rc == 2 and f"{source} is not UTF-8 text (line 1, byte 3: unexpected end of data)" in line, line
 
 
 @pytest.mark.parametrize("prompt", ["hello", "-"])
