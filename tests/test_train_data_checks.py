@@ -520,3 +520,29 @@ def test_the_tree_choices_warm_up_leaves_generates_warnings_to_the_timed_runs(mo
     with caplog.at_level(logging.WARNING, logger="specdec.generate"):
         eagle_evaluate.choose_tree_by_speed(None, None, [[1]], 20, candidates=((1, 1, 1),))
     assert [r.getMessage() for r in caplog.records if r.name == "specdec.generate"] == ["max_new_tokens=20"] * 2
+
+
+def test_the_tau_prompts_are_encoded_once_before_training(tiny, tmp_path, monkeypatch):
+    """Before training the held-out tau prompts were encoded twice: to refuse one of no token, then again to check
+    that their answers fit the context. Once now, for both checks."""
+    from specdec.train import pipeline
+    from specdec.train.evaluate import eval_prompts
+
+    real, encoded = pipeline.encode_prompt, []
+
+    def encode(tokenizer, prompt, *args):
+        encoded.append(prompt)
+        return real(tokenizer, prompt, *args)
+
+    class Made(Exception):
+        pass
+
+    def made(path, flag):  # the checks are done when the output folder is made
+        raise Made
+
+    monkeypatch.setattr(pipeline, "encode_prompt", encode)
+    monkeypatch.setattr(pipeline, "make_dir", made)
+    with pytest.raises(Made):
+        run_training(_distil_cfg(tiny, tmp_path, ["abc"], eval_tau=True, eval_prompts=3))
+    tau = eval_prompts(3)
+    assert [p for p in encoded if p in tau] == tau

@@ -83,19 +83,25 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
 
 
 def check_prompts_encode(cfg: TrainConfig, loaded, inputs: list) -> None:
-    """The prompts the target answers once the output folder is made (self-distillation's, ``inputs``: of
-    --prompts-file or the built-in set; the tau measurement's), encoded now: one the tokenizer makes nothing of is
-    refused in one line naming it, before any work. Through a chat template every prompt has tokens: nothing to do."""
+    """The prompts self-distillation answers once the output folder is made (``inputs``: of --prompts-file or the
+    built-in set), encoded now: one the tokenizer makes nothing of is refused in one line naming it, before any work
+    (the tau measurement's, by :func:`_check_tau_prompts`). Through a chat template every prompt has tokens."""
     if getattr(loaded.tokenizer, "chat_template", None):
         return
-    named = []  # (prompt, what it is)
     if cfg.data is None and cfg.prompt_source == "builtin":  # not self-written: the target writes those
         where = f"prompts file {cfg.prompts_file}" if cfg.prompts_file else "the built-in set"
-        named += [(p, f"prompt {n} of {where}") for n, p in enumerate(inputs, 1)]
-    if cfg.eval_tau:  # measured after training
-        named += [(p, "the tau measurement's built-in prompt") for p in eval_prompts(cfg.eval_prompts)]
-    for prompt, what in named:
-        encode_prompt(loaded.tokenizer, prompt, what)
+        for n, prompt in enumerate(inputs, 1):
+            encode_prompt(loaded.tokenizer, prompt, f"prompt {n} of {where}")
+
+
+def _check_tau_prompts(cfg: TrainConfig, loaded) -> None:
+    """The tau measurement's held-out prompts, measured after training, checked now, each encoded once: one the
+    tokenizer makes nothing of, or whose answers of --eval-max-new-tokens run past the model's context, is refused
+    before any work."""
+    ids = [encode_prompt(loaded.tokenizer, p, "the tau measurement's built-in prompt")
+           for p in eval_prompts(cfg.eval_prompts)]
+    _check_answers_fit(loaded.runner.shape, list(map(len, ids)), cfg.eval_max_new_tokens, "--eval-max-new-tokens",
+                       "tau-measurement prompt", "pass --no-eval-tau")
 
 
 def _few_prompts(asked: int | None, available: int, where: str) -> None:
@@ -360,10 +366,7 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
             say_few_eval_prompts(cfg.eval_prompts)
     check_prompts_encode(cfg, loaded, inputs)
     if cfg.eval_tau:  # measured after training: refused now, not once the training is done
-        _check_answers_fit(loaded.runner.shape, [len(encode_prompt(loaded.tokenizer, p)) for p in
-                                                 eval_prompts(cfg.eval_prompts)],
-                           cfg.eval_max_new_tokens, "--eval-max-new-tokens", "tau-measurement prompt",
-                           "pass --no-eval-tau")
+        _check_tau_prompts(cfg, loaded)
     resume_from = None
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)
