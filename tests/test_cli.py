@@ -182,7 +182,7 @@ def test_ngram_drafter_prints_tau_and_the_same_text(ckpt, capsys):
     n = 64
     _, plain, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(n))
     rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(n), "--drafter", "ngram",
-                       "--drafter-option", "min_ngram=1")
+                       "--drafter-option", "min_ngram=1", "--speculation", "always")  # tau: the drafts, not the guard
     assert rc == 0 and out == plain  # greedy speculative decoding is lossless
     m = summary_of(err)
     new_tokens, tau, steps, drafter = int(m[1]), float(m[2]), int(m[3]), m[4]
