@@ -234,7 +234,6 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
         raise InputError(f"num_return_sequences={config.num_return_sequences} needs do_sample=True: greedy decoding "
                          "gives identical copies, and transformers refuses it too")
     _check_streamer_batch(put_end, len(inputs.rows) * config.num_return_sequences)
-    inputs = inputs.repeat(config.num_return_sequences)
     if generator is not None and generator.device.type != runner.device.type:
         raise InputError(f"generator is on {generator.device} but the model is on {runner.device}: "
                          "sampling runs on the model's device, so create it with torch.Generator(device=...) there")
@@ -247,6 +246,8 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
     pad_token_id = _pad_token_id(config.pad_token_id, early.pad_token_id is not None, shape.vocab_size)
     inputs = inputs.infer_mask(pad_token_id, eos)  # a padded tensor without attention_mask, as transformers
     check_vocabulary("input_ids", inputs.prompts, shape.vocab_size)
+    # only now: the errors above name a prompt by its row of input_ids, not by its row among the copies
+    inputs = inputs.repeat(config.num_return_sequences)
     check_vocabulary("stop", [list(s) for s in config.stop_sequences], shape.vocab_size)
     longest = max(len(p) for p in inputs.prompts)
     if resolved.length_from:  # max_length set the count: that is what the caller lowers

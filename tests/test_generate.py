@@ -416,6 +416,18 @@ def test_rows_that_stopped_early_are_padded_with_the_pad_token_id():
     assert layout.pack([[5], [6, 7]]).tolist() == [[1, 2, 5, 9], [3, 4, 6, 7]]
 
 
+def test_a_bad_prompt_is_named_by_its_row_of_input_ids_not_among_num_return_sequences_copies():
+    """Rows were checked after num_return_sequences repeated them: with 3 copies each, input row 1 was named
+    "sequence 3" (or "prompt 3", of a batch of two rows)."""
+    model = build_tiny_model()
+    with pytest.raises(InputError, match=r"^input_ids: sequence 1 has token ids outside the vocabulary \[0, 96\): "
+                                         r"\[999\]$"):
+        specdec.generate(model, [[1, 2], [3, 999]], max_new_tokens=2, do_sample=True, num_return_sequences=3)
+    with pytest.raises(InputError, match=r"^prompt 1 is all padding \(pad_token_id 0, no attention_mask\)"):
+        specdec.generate(model, torch.tensor([[1, 2], [0, 0]]), max_new_tokens=2, do_sample=True,
+                         num_return_sequences=3)
+
+
 def test_a_returned_dict_carries_the_engines_timings_and_each_sequences_depth_counts():
     """pack_output reads draft and verify seconds, forward passes and each sequence's depth counts into their own
     fields: 4 new tokens in 2.0 s are 2.0 tokens per second; depths tried (4, 2), accepted (2, 1): rates 2/4, 1/2."""
