@@ -246,16 +246,21 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
     pad_token_id = _pad_token_id(config.pad_token_id, early.pad_token_id is not None, shape.vocab_size)
     inputs = inputs.infer_mask(pad_token_id, eos)  # a padded tensor without attention_mask, as transformers
     check_vocabulary("input_ids", inputs.prompts, shape.vocab_size)
+    lengths = [len(p) for p in inputs.prompts]
+    longest = max(lengths)
+    # in a batch, the longest prompt by its row of input_ids (as the errors above name prompts) and how many don't fit
+    too_long = sum(n + config.max_new_tokens > shape.max_positions for n in lengths)
+    name, detail = ("prompt", "") if len(lengths) == 1 else (f"prompt {lengths.index(longest)}", ", the longest" + (
+        f"; {too_long} of the {len(lengths)} prompts do not fit" if too_long > 1 else ""))
     # only now: the errors above name a prompt by its row of input_ids, not by its row among the copies
     inputs = inputs.repeat(config.num_return_sequences)
     check_vocabulary("stop", [list(s) for s in config.stop_sequences], shape.vocab_size)
-    longest = max(len(p) for p in inputs.prompts)
     if resolved.length_from:  # max_length set the count: that is what the caller lowers
         how, lower = f", set by max_length from {resolved.length_from}", "max_length (or pass max_new_tokens)"
     else:
         how, lower = "" if "max_new_tokens" in config.fields_set else ", specdec's default: none was set", \
             "max_new_tokens"
-    shape.check_fits(longest, config.max_new_tokens, how, lower)  # names the sliding window where that is the limit
+    shape.check_fits(longest, config.max_new_tokens, how, lower, name, detail)  # names the sliding window too
     stop = StopCriteria(config.max_new_tokens, frozenset(eos), config.stop_sequences, config.stop_strings,
                         loaded.tokenizer)
     pad_token_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)  # as transformers

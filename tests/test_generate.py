@@ -428,6 +428,19 @@ def test_a_bad_prompt_is_named_by_its_row_of_input_ids_not_among_num_return_sequ
                          num_return_sequences=3)
 
 
+def test_a_batch_past_the_context_names_its_longest_prompt_and_how_many_do_not_fit():
+    """A batch refused for a prompt past the context said "prompt (60 tokens) + ...", not which of its prompts."""
+    model = build_tiny_model(max_position_embeddings=64)
+    with pytest.raises(InputError, match=r"^prompt 1 \(60 tokens, the longest\) \+ max_new_tokens \(10\) exceeds the "
+                                         r"model's context of 64 tokens; shorten the prompt or lower max_new_tokens$"):
+        specdec.generate(model, [[1] * 10, [2] * 60, [3]], max_new_tokens=10)
+    with pytest.raises(InputError, match=r"^prompt 2 \(70 tokens, the longest; 2 of the 3 prompts do not fit\) \+ "):
+        specdec.generate(model, [[1] * 10, [4] * 60, [2] * 70], max_new_tokens=10, do_sample=True,
+                         num_return_sequences=2)  # rows of input_ids, not of the copies
+    with pytest.raises(InputError, match=r"^prompt \(60 tokens\) \+ max_new_tokens"):  # alone: no row to name
+        specdec.generate(model, [[2] * 60], max_new_tokens=10)
+
+
 def test_a_returned_dict_carries_the_engines_timings_and_each_sequences_depth_counts():
     """pack_output reads draft and verify seconds, forward passes and each sequence's depth counts into their own
     fields: 4 new tokens in 2.0 s are 2.0 tokens per second; depths tried (4, 2), accepted (2, 1): rates 2/4, 1/2."""

@@ -74,16 +74,17 @@ class ModelShape:
                     f"({self.max_positions} in all)")
         return f"context of {self.max_positions} tokens"
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int, note: str = "", lower: str = "max_new_tokens"
-                   ) -> None:
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, note: str = "", lower: str = "max_new_tokens",
+                   name: str = "prompt", detail: str = "") -> None:
         """An InputError unless a prompt of ``prompt_tokens`` + ``max_new_tokens`` new tokens fits; for a
         sliding-window model the message names the window (full attention equals windowed attention only while
         every token sees the whole sequence, so specdec refuses to go past it). ``note`` follows the count of new
         tokens in the message, e.g. ", set by max_length from generation_config"; ``lower`` is what the advice
-        says to lower (max_length where that set the count)."""
+        says to lower (max_length where that set the count); ``name`` and ``detail`` name the prompt of a batch
+        ("prompt 3", ", the longest")."""
         if prompt_tokens + max_new_tokens <= self.max_positions:
             return
-        asked = f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}{note})"
+        asked = f"{name} ({prompt_tokens} tokens{detail}) + max_new_tokens ({max_new_tokens}{note})"
         # a prompt that fills the limit alone leaves no count of new tokens to lower to
         advice = f"shorten the prompt or lower {lower}" if prompt_tokens < self.max_positions else \
             "the prompt alone fills it: shorten the prompt"
