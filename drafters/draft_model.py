@@ -5,7 +5,10 @@
 
 ``model`` is anything :func:`specdec.models.loader.load_model` accepts (a transformers model,
 a checkpoint directory, a GGUF file, an alias). Its vocabulary must be the target's: same
-size and, when both tokenizers are known, the same token for every id checked.
+size and, when both tokenizers are known, the same token for every id checked. Sizes may differ
+only by padding (Qwen2.5-0.5B's 151,936 ids beside Qwen2.5-7B's 152,064): both tokenizers known,
+the same, and every token of theirs an id of both models (:func:`padded_alike`); the drafter then
+drafts among the ids both have (ModelDrafter._target_columns).
 Tree shape and sampling mode: see :class:`specdec.drafters.model_drafter.DraftConfig`.
 """
 from __future__ import annotations
@@ -52,11 +55,19 @@ class VocabularyMismatchError(SpecdecError, ValueError):
     """The draft model's token ids do not mean what the target's mean."""
 
 
-def check_gguf_vocabulary(path: Path, target_runner: LlamaRunner) -> None:
+def padded_alike(dv: int, tv: int, *tokenizers: Any) -> bool:
+    """Whether vocabularies of ``dv`` and ``tv`` ids can be the given tokenizers' padded to two sizes: every
+    tokenizer is known, all have as many tokens, and each of them is an id of both models."""
+    return all(t is not None for t in tokenizers) and len({len(t) for t in tokenizers}) == 1 and \
+        len(tokenizers[0]) <= min(dv, tv)
+
+
+def check_gguf_vocabulary(path: Path, target_runner: LlamaRunner, target_tok: Any = None) -> None:
     """Refuse a draft model's GGUF file of another vocabulary size than the target's, read from its header before
-    any conversion work (:func:`specdec.models.embedded.vocab_size`)."""
+    any conversion work (:func:`specdec.models.embedded.vocab_size`), unless the difference may be padding past the
+    target tokenizer's tokens (then :func:`check_vocabularies` compares the converted model's tokenizer)."""
     dv, tv = embedded.vocab_size(path), target_runner.shape.vocab_size
-    if dv is not None and dv != tv:
+    if dv is not None and dv != tv and not padded_alike(dv, tv, target_tok):
         raise VocabularyMismatchError(f"draft-model: the draft model {path} has a vocabulary of {dv} ids, the "
                                       f"target's {tv}; the two models need the same tokenizer")
 
@@ -64,8 +75,22 @@ def check_gguf_vocabulary(path: Path, target_runner: LlamaRunner) -> None:
 def check_vocabularies(draft_runner: LlamaRunner, draft_tok: Any, target_runner: LlamaRunner, target_tok: Any,
                        samples: int = 2000) -> None:
     dv, tv = draft_runner.shape.vocab_size, target_runner.shape.vocab_size
+    if dv != tv and not padded_alike(dv, tv, draft_tok, target_tok):
+        if draft_tok is None or target_tok is None:
+            missing = ("neither tokenizer is known" if draft_tok is None and target_tok is None
+                       else f"the {'draft model' if draft_tok is None else 'target'}'s tokenizer is unknown")
+            raise VocabularyMismatchError(
+                f"draft-model: the draft model's vocabulary has {dv} ids, the target's {tv}, and {missing}: sizes "
+                "may differ only by padding past one tokenizer's tokens, checked with both tokenizers (tokenizer= "
+                "for the draft model, generate()'s tokenizer= for the target)")
+        sizes = sorted({len(draft_tok), len(target_tok)})
+        raise VocabularyMismatchError(
+            f"draft-model: the draft model's vocabulary has {dv} ids, the target's {tv}, and their tokenizers "
+            f"{'have ' + ' and '.join(map(str, sizes)) if len(sizes) > 1 else 'both have ' + str(sizes[0])} tokens: "
+            "the two models need the same tokenizer")
     if dv != tv:
-        raise VocabularyMismatchError(f"draft-model: the draft model's vocabulary has {dv} ids, the target's {tv}")
+        logger.info("draft-model: the draft model's vocabulary has %d ids, the target's %d, one tokenizer's %d "
+                    "tokens padded: it drafts among the first %d", dv, tv, len(target_tok), min(dv, tv))
     if draft_tok is None or target_tok is None:
         _warn_once(draft_runner, target_runner, "draft-model: a tokenizer is missing, so only the vocabulary sizes "
                    "were compared")
@@ -75,8 +100,8 @@ def check_vocabularies(draft_runner: LlamaRunner, draft_tok: Any, target_runner:
             return
     except TypeError:  # a tokenizer that cannot be weakly referenced or hashed: checked every time
         pass
-    step = max(1, tv // samples)
-    for i in range(0, tv, step):
+    n = min(dv, tv)
+    for i in range(0, n, max(1, n // samples)):
         a, b = draft_tok.convert_ids_to_tokens(i), target_tok.convert_ids_to_tokens(i)
         if a != b:
             raise VocabularyMismatchError(
@@ -195,7 +220,7 @@ class DraftModelDrafter(ModelDrafter):
         named = isinstance(self.model_spec, (str, os.PathLike))
         dtype = target.dtype if named else None
         if named and (gguf := gguf_file(self.model_spec)) is not None:
-            check_gguf_vocabulary(gguf, target)  # before its conversion: seconds to minutes, a cache folder
+            check_gguf_vocabulary(gguf, target, tokenizer)  # before its conversion: seconds to minutes, a cache folder
         loaded = load_model(self.model_spec, tokenizer=_tokenizer(self.tokenizer), dtype=dtype, device=target.device)
         runner = loaded.runner
         check_vocabularies(runner, loaded.tokenizer, target, tokenizer)

@@ -165,6 +165,7 @@ class ModelDrafter(Drafter):
         # pending static trees of a batch size: (depths, ancestor bits) of every node on the device, and the depth
         self._pending_fields: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._outgrown = False  # a sequence outgrew the draft model's context (_live): said once a call
+        self._target_columns: int | None = None  # the target's vocabulary size, where a draft model's differs (attach)
 
     # ---- lifecycle --------------------------------------------------------------------
     def make_runner(self, runner: LlamaRunner, tokenizer: Any) -> LlamaRunner:
@@ -193,6 +194,11 @@ class ModelDrafter(Drafter):
         _, self.runner, self.draft_vocab = self._loaded
         self._loaded = None  # the next call makes its own
         self._draft_ids = self.draft_vocab.ids.tolist() if self.draft_vocab is not None else None
+        # a draft model of the target's tokenizer padded to another vocabulary size (draft_model.padded_alike): its
+        # logits are cut to the target's ids or padded with -inf (drafts among the ids both have, draft_probs zero
+        # past its own), and a committed id past its own is fed to it as its last id (_catch_up)
+        mine, theirs = self.runner.shape.vocab_size, target.runner.shape.vocab_size
+        self._target_columns = theirs if self.draft_vocab is None and mine != theirs else None
         # an own cache is made at the first propose (_own_cache): a drafter the engine never asks (its forward costs
         # a decode step: the break-even guard's never_pays) holds no second KV pool as large as the target's
         self.cache = target.cache if self.shares_target_cache else None
@@ -387,11 +393,32 @@ class ModelDrafter(Drafter):
         if self.graphed is not None:
             out = self.graphed(batch, token_ids)
             if out is not None:  # else a prefill, or no bucket fits: eager
-                return out.logits if rows is None else out.logits[to_device(rows, torch.long, out.logits.device)]
+                return self._to_target_columns(
+                    out.logits if rows is None else out.logits[to_device(rows, torch.long, out.logits.device)])
         tokens = batch.token_ids if token_ids is None else token_ids
         wanted = (torch.arange(tokens.numel(), device=tokens.device) if rows is None
                   else to_device(rows, torch.long, tokens.device))
-        return self.runner.forward(tokens, batch.positions, batch.plan, self.cache, wanted).logits
+        return self._to_target_columns(self.runner.forward(tokens, batch.positions, batch.plan, self.cache,
+                                                           wanted).logits)
+
+    def _to_target_columns(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, n] logits -> one column per target id where the draft model's vocabulary is padded to another size
+        (attach): its ids past the target's cut, the target's past its own at -inf (never drafted)."""
+        n = self._target_columns
+        if n is None or logits.shape[-1] == n:
+            return logits
+        if logits.shape[-1] > n:
+            return logits[:, :n]
+        return torch.nn.functional.pad(logits, (0, n - logits.shape[-1]), value=float("-inf"))
+
+    def _draft_inputs(self, token_ids: Sequence[int]) -> Sequence[int]:
+        """Committed token ids as the draft model reads them: an id past a padded vocabulary of its own (one the
+        target's tokenizer has no token for, so only its padding rows' logits drew it) as its last id; the drafts
+        may then be rejected more, the output is the target's."""
+        mine = self.runner.shape.vocab_size
+        if self._target_columns is None or self._target_columns <= mine:
+            return token_ids
+        return [min(t, mine - 1) for t in token_ids]
 
     def _catch_up(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
         """A causal run over the tokens the draft model has not seen yet, committed. Copies of a prompt at their first
@@ -412,8 +439,8 @@ class ModelDrafter(Drafter):
         for b, v in enumerate(live):
             if b not in copies:
                 cached = cache.lengths[v.seq_id]
-                runs[b] = builder.add(v.seq_id, v.token_ids[cached:], range(cached, len(v.token_ids)),
-                                      num_keys=len(v.token_ids), num_visible=cached)
+                runs[b] = builder.add(v.seq_id, self._draft_inputs(v.token_ids[cached:]),
+                                      range(cached, len(v.token_ids)), num_keys=len(v.token_ids), num_visible=cached)
         # the LM head runs on each run's last row only: a root's logits are all that is read
         logits = self._forward(builder, rows=[r[-1] for r in runs.values()])
         last_rows = {b: j for j, b in enumerate(runs)}  # index in live -> its root's row of the logits
@@ -432,8 +459,9 @@ class ModelDrafter(Drafter):
             for j, (b, prompt) in enumerate(tails):
                 v = live[b]
                 last_rows[b] = logits.shape[0] + j
-                ends.append(builder.add(v.seq_id, v.token_ids[prompt:], range(prompt, len(v.token_ids)),
-                                        num_keys=len(v.token_ids), num_visible=prompt)[-1])
+                ends.append(builder.add(v.seq_id, self._draft_inputs(v.token_ids[prompt:]),
+                                        range(prompt, len(v.token_ids)), num_keys=len(v.token_ids),
+                                        num_visible=prompt)[-1])
             logits = torch.cat([logits, self._forward(builder, rows=ends)])
         last_rows = [last_rows[b] for b in range(len(live))]
         cache.commit({v.seq_id: range(len(v.token_ids) - cache.lengths[v.seq_id]) for v in live})

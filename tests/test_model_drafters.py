@@ -59,6 +59,98 @@ def test_draft_model_refuses_another_vocabulary():
                          drafter_options={"model": build_tiny_model(vocab_size=64)})
 
 
+class _Tokens:
+    """A tokenizer of ``n`` tokens as the vocabulary check and generate() read one."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def convert_ids_to_tokens(self, i: int) -> str | None:
+        return f"t{i}" if i < self.n else None
+
+    def decode(self, ids, **kw) -> str:
+        return " ".join(map(str, ids))
+
+
+def _padded(model, vocab_size: int):
+    """``model`` with its vocabulary padded or cut to ``vocab_size`` ids (its other weights the same); rows past
+    the old ones copy its first ones, scaled: padding that would be drafted if the drafter read its columns."""
+    import copy
+
+    model = copy.deepcopy(model)
+    old = model.config.vocab_size
+    model.resize_token_embeddings(vocab_size, mean_resizing=False)
+    with torch.no_grad():
+        for new in range(old, vocab_size):
+            model.get_input_embeddings().weight[new] = model.get_input_embeddings().weight[new - old]
+            model.lm_head.weight[new] = 2 * model.lm_head.weight[new - old]
+    return model
+
+
+@pytest.mark.parametrize("draft_vocab", [72, 96])
+def test_a_draft_model_of_the_targets_tokenizer_padded_to_another_vocabulary_drafts_for_it(draft_vocab):
+    """A draft model of the target's tokenizer whose vocabulary is padded to another size (Qwen2.5-0.5B's 151,936
+    ids beside Qwen2.5-7B's 152,064) was refused; it drafts among the ids both models have: the target's text, its
+    drafts accepted as the target's own weights' (every column where the target's is), and a committed id past the
+    draft model's (the prompt's 75 and 79 beside 72 ids, ids of no token) read as its last id."""
+    target = build_tiny_model(vocab_size=80, num_hidden_layers=2)
+    draft, tokens = _padded(target, draft_vocab), _Tokens(69)
+    prompts = [[3, 1, 4, 1, 5], [7, 8], [70, 75, 79, 3]]
+    plain = specdec.generate(target, prompts, max_new_tokens=24)
+    for options in [{}, {"widths": (2, 2), "num_draft_tokens": 3}, {"tree": "dynamic", "max_nodes": 6}]:
+        out = specdec.generate(target, prompts, max_new_tokens=24, drafter="draft-model", tokenizer=tokens,
+                               drafter_options={"model": draft, "tokenizer": tokens, **options},
+                               speculation="always", return_dict=True)
+        assert out.sequences == plain
+        if not options:  # a chain of 4: the target's own weights drafted nearly every token it decodes
+            assert out.tau > 4.5
+
+
+@pytest.mark.parametrize("draft_vocab", [6, 10])
+def test_a_padded_draft_models_draft_probs_are_its_distribution_over_the_targets_ids(draft_vocab):
+    """Sampled children of a draft model padded to another vocabulary size carry the law they were drawn from,
+    over the target's ids: its distribution after the target's sampling transform over the ids both models have
+    (zero past its own), as the rejection sampler needs for the target's law."""
+    target, tokens = build_tiny_model(vocab_size=8, seed=3), _Tokens(6)
+    draft = build_tiny_model(vocab_size=draft_vocab, seed=11)
+    Spy, trees = _spy_trees(DraftModelDrafter)
+    spy = Spy(draft, tokenizer=tokens, seed=0, mode="independent", widths=(3,), num_draft_tokens=2)
+    specdec.generate(target, [[1, 2, 3]], max_new_tokens=6, drafter=spy, do_sample=True, seed=0, temperature=0.7,
+                     speculation="always", tokenizer=tokens)
+    trees = [t for t in trees if t.num_nodes]
+    assert trees and all(t.draft_probs is not None and t.draft_probs.shape[-1] == 8 for t in trees)
+    with torch.no_grad():
+        logits = draft(torch.tensor([[1, 2, 3]])).logits[0, -1, :8]
+    expected = torch.zeros(8)
+    expected[: logits.numel()] = (logits / 0.7).softmax(-1)
+    for i in (trees[0].parents == -1).nonzero().flatten().tolist():
+        torch.testing.assert_close(trees[0].draft_probs[i], expected, atol=1e-5, rtol=1e-5)
+    assert all(int(t.tokens.max()) < min(draft_vocab, 8) for t in trees)
+
+
+@pytest.mark.parametrize("draft_tok, target_tok, said", [
+    (None, _Tokens(60), "the draft model's tokenizer is unknown"),
+    (_Tokens(60), None, "the target's tokenizer is unknown"),
+    (None, None, "neither tokenizer is known"),
+    (_Tokens(60), _Tokens(61), "their tokenizers have 60 and 61 tokens: the two models need the same tokenizer"),
+    (_Tokens(70), _Tokens(70), "their tokenizers both have 70 tokens: the two models need the same tokenizer"),
+])
+def test_a_draft_model_of_another_vocabulary_size_is_refused_unless_padding_of_one_tokenizer(draft_tok, target_tok,
+                                                                                              said):
+    """Sizes may differ only by padding: both tokenizers known, alike, and each of their tokens an id of both."""
+    from specdec.drafters.draft_model import check_vocabularies
+
+    draft = load_model(build_tiny_model(vocab_size=64)).runner
+    target = load_model(build_tiny_model(vocab_size=96)).runner
+    with pytest.raises(VocabularyMismatchError, match=rf"^draft-model: the draft model's vocabulary has 64 ids, the "
+                                                      rf"target's 96, and {said}"):
+        check_vocabularies(draft, draft_tok, target, target_tok)
+    check_vocabularies(draft, _Tokens(64), target, _Tokens(64))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_draft_gguf_of_another_vocabulary_is_refused_before_its_conversion(tmp_path, monkeypatch, arch):
     """The draft file was converted first (seconds to minutes, a cache folder written for nothing), then refused
@@ -84,6 +176,24 @@ def test_a_draft_gguf_of_another_vocabulary_is_refused_before_its_conversion(tmp
     plain = specdec.generate(target, [[1, 5, 9]], max_new_tokens=12)
     assert specdec.generate(target, [[1, 5, 9]], max_new_tokens=12, drafter="draft-model", speculation="always",
                             drafter_options={"model": str(path), "widths": (2, 2)}) == plain
+
+
+def test_a_draft_gguf_of_another_vocabulary_size_is_left_converted_where_it_may_be_the_targets_tokenizer_padded(
+        tmp_path):
+    """The header's size check refused a GGUF draft model whose vocabulary is the target's tokenizer padded to
+    another size; it refuses one only where its size cannot be that (the target's tokenizer unknown, or holding
+    tokens past its ids): the converted model's tokenizer is compared then (check_vocabularies)."""
+    pytest.importorskip("gguf")
+    from specdec.drafters.draft_model import check_gguf_vocabulary
+
+    from tests.test_gguf_llama import VOCAB, write_llama_gguf
+
+    path = write_llama_gguf(tmp_path / "draft.gguf")
+    target = load_model(build_tiny_model(vocab_size=96)).runner
+    check_gguf_vocabulary(path, target, _Tokens(VOCAB))
+    for tokens in (None, _Tokens(VOCAB + 1)):
+        with pytest.raises(VocabularyMismatchError, match=f"has a vocabulary of {VOCAB} ids, the target's 96"):
+            check_gguf_vocabulary(path, target, tokens)
 
 
 def test_draft_model_refuses_a_tokenizer_that_maps_ids_differently():
