@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from specdec import cost_model
+from specdec import cost_model, generate
 from specdec.errors import InputError, InputTypeError
 from specdec.folder_lock import FolderInUse, only_writer
 from specdec.models import embedded
@@ -221,6 +221,25 @@ def test_a_loaded_checkpoint_is_shared_while_held_and_freed_after(tmp_path):
     gc.collect()
     assert shared and other_dtype
     assert ref() is None
+
+
+def test_one_checkpoint_spelled_apart_is_one_shared_model(tmp_path, monkeypatch):
+    """The shared-model key was the spec as typed: a checkpoint named by two spellings (``tiny`` and ``./tiny/``, an
+    alias of the embedded model and its name: a draft model that is its target, named apart on the command line)
+    loaded twice, an 8B model two copies, and the draft model was not known as the target itself."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    from specdec.models.loader import _model_key
+
+    monkeypatch.chdir(tmp_path)
+    build_tiny_model(vocab_size=32).save_pretrained(tmp_path / "tiny")
+    first = load_model("tiny")
+    for spelling in ("./tiny/", str(tmp_path / "tiny")):
+        assert load_model(spelling).model is first.model, spelling
+    drafter = DraftModelDrafter("./tiny/")
+    generate(first, [[1, 2, 3]], max_new_tokens=2, drafter=drafter)
+    assert drafter.runner.hf_model is first.model  # its own draft: known as the target, never asked
+    assert len({_model_key(alias, None, "cpu", False) for alias in embedded.ALIASES}) == 1
 
 
 @pytest.mark.parametrize("declared, to, expected", [  # "to", not "device": no device fixture (gpu_check's scan)

@@ -230,7 +230,21 @@ def _model_key(spec: str, dtype: torch.dtype | None, device: str | torch.device 
         device = torch.device("cuda", torch.cuda.current_device())
     if dtype is None:
         dtype = synthetic.default_dtype(device) if synthetic_spec else checkpoint_dtype(config_dir(spec), device)
-    return spec, dtype, str(device), trust_remote_code, _files_stamp(spec)
+    return _checkpoint_named(spec), dtype, str(device), trust_remote_code, _files_stamp(spec)
+
+
+def _checkpoint_named(spec: str) -> str:
+    """The checkpoint ``spec`` names, one string whatever its spelling: every alias the embedded model's, a path
+    resolved (``m``, ``./m/`` and its absolute path one checkpoint, as a target and its own draft model spelled apart
+    are; a relative path read from another folder another one)."""
+    if spec in embedded.ALIASES:
+        return embedded.DEFAULT_ALIAS
+    if synthetic.is_synthetic(spec):
+        return spec
+    try:
+        return str(Path(spec).expanduser().resolve())
+    except (OSError, RuntimeError):  # a symlink loop: refused by the load itself
+        return spec
 
 
 def _names_gguf(path: Path) -> bool:
