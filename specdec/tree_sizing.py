@@ -303,6 +303,7 @@ class _Pending:  # what was proposed for a sequence this step, to learn from the
     accept: list[float]  # a_i used for sizing
     kept: list[int]  # indices (into tree) of the nodes verified, ascending: the pruned tree's node order
     cost: float  # of the whole tree, in decode steps: draft + c(1 + num_nodes)
+    batch: int  # live sequences when it was drafted: what a plain step it is judged against costs (_pays)
     best: int  # the first node of the sizing order: what a measured verify keeps of a tree cut to nothing
     # the nodes in sizing order and each node's P_i, by which a padded batch's cap cuts (_cap_padded)
     order: list[int] = field(default_factory=list)
@@ -657,7 +658,7 @@ class TreeSizer:
             self.shapes[seq_id] = parents
         kept_tokens = 1.0 + sum(path[i] for i in order[:best_k])
         kept = sorted(order[:best_k])
-        self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes], order[0], order, path)
+        self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes], batch, order[0], order, path)
         self._judge(seq_id, kept_tokens, costs[best_k] if best_k else 1.0, batch)
 
     def _cap_padded(self, seq_ids: list[int], costs: list[float], batch: int) -> None:
@@ -719,7 +720,7 @@ class TreeSizer:
             tried, on_path, longest, _ = _walk(tree, committed, set(pending.kept), accepted)
             self.last_shape = tree.parents.tolist()
         self._learn(tree, tried, on_path)
-        if self._pays(1 + longest, pending.cost):  # the drafts paid (by the margin)
+        if self._pays(1 + longest, pending.cost, pending.batch):  # the drafts paid (by the margin)
             self._ask_next(seq_id)
 
     def _ask_next(self, seq_id: int) -> None:

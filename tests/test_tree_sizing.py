@@ -932,3 +932,23 @@ def test_a_timed_queued_step_is_remembered_by_the_next_call_and_a_damaged_one_is
     for damaged in ("fast", 0.005, [[1, "x"]], [[0, 0.005]]):  # (a float: an older call's, of no known batch)
         remember("guard", ("queued-step",), {**kept, "queued": damaged}, persist=True)
         assert TreeSizer(FLAT, memory=("queued-step",)).queued_seconds == {}
+
+
+def test_whether_a_whole_proposal_would_have_paid_is_judged_at_the_batch_it_was_drafted_in():
+    """A probe at batch 8, where a queued step costs half a step read back, whose whole tree committed 2 tokens for
+    about one step read back (1 queued step's worth each) would not have paid there: the guard keeps its backoff. With
+    a queued step timed at batch 1 only, a step at batch 8 is priced as one read back, and the same tree would have
+    paid: the drafter is asked again at once. (Judged at batch 1's price whatever the batch, each went the other
+    way.)"""
+    costs = CostModel({}, {1: {1: 1.0, 65: 1.0}, 8: {1: 1.0, 65: 1.0}})  # verifying is free at both sizes
+    tree = DraftTree.chain([5, 6], scores=torch.tensor([0.01, 0.01]))  # cut to nothing: a probe that does not pay
+    for queued_at, asked_again in ((8, False), (1, True)):
+        sizer = TreeSizer(costs, calibrated_scores=True)
+        sizer.queues_held_off = True
+        sizer.record_step(0.01, 1, 8)
+        sizer.record_step(0.005, 1, queued_at, queued=True)  # a queued step: half of one read back
+        sizer.record_draft(0.0001)
+        sizer.size_call([0], [tree], 8, 0.0001)
+        assert sizer.unpaid == 1 and sizer.guards[0].skip > 0
+        sizer.observe(0, [5, 9])  # its first node was the text's: 2 tokens for ~1 step read back
+        assert (sizer.guards[0].skip == 0) is asked_again, queued_at
