@@ -1,5 +1,5 @@
 """The speculation policy: which sequences draft this step, how much of each proposal the target verifies, and what
-the run taught. The engine calls it at four points::
+the run taught. The engine calls it at five points::
 
     policy.start(drafter, target)        # Engine(): attach the drafter, handing it the policy's costs
     asked = policy.who_drafts(live)      # before propose: the break-even guard (asks_nobody_next: foreseen)

@@ -26,7 +26,7 @@ Invariants: pruning is exact (an ancestor-closed part of the tree), so sizing ch
 cut only to a prefix of the drafter's node order whose length was decided, with token-independent estimates, on an
 earlier sampled tree's shape (none yet: the whole tree), never on its own, which may depend on its drawn tokens; a
 call with sampled trees records its draft time after sizing (:meth:`size_call`). The derivations and the reasons for
-the constants: docs/speculation-policy.md.
+the constants: docs/speculation-policy.md ("the page").
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class _Kept:
     last_shape: list | None = None  # parents of the last sampled tree
     price: float | None = None  # the guard's probe price (None: drafting paid when the sequence finished)
     # with the backoff, a run of calls is guarded as one long call is (short calls still probe a drafter remembered
-    # not to pay: module doc)
+    # not to pay: the page, Memory)
     skip: int = 0  # steps of the backoff left to skip
     credit: float = 0.0  # probe budget banked (below zero: a catch-up still being paid back)
     format: int = 0  # MEMORY_FORMAT when written (0: a memory older than the format)
@@ -227,16 +227,21 @@ def _walk(tree: DraftTree, committed: list[int], verified: set[int] | None = Non
 
 @dataclass(frozen=True)
 class SizingConfig:
+    """The constants of tree sizing and the break-even guard, fixed for a sizer (validated here)."""
+
     prior: float = 0.3  # acceptance assumed for unscored nodes before any observation
-    prior_weight: float = 2.0  # pseudo-observations behind the prior (and behind a score's correction of 1)
+    # pseudo-observations behind the prior, and behind a score bin's correction (toward the pooled one, which is
+    # toward 1: specdec.score_bins)
+    prior_weight: float = 2.0
     ema: float = 0.2  # weight of the newest wall-time sample
     probe_budget: float = 0.01  # at most this fraction of a decode step per step spent on probes
-    max_backoff: int = 256
+    max_backoff: int = 256  # the most steps the guard holds a drafter off after a step that did not pay
     decay: float = 0.95  # per observation of a bin / (depth, rank): old evidence fades, estimates follow the text
     # a draft must be expected to beat plain decoding by this fraction to be verified or to count as paying
-    # (module doc, Margin)
+    # (the page, Sizing)
     margin: float = 0.05
-    # weight of the newest drafted step in a sequence's running expected tokens and cost (module doc, Guard)
+    # weight of the newest drafted step in a sequence's running expected tokens and cost (the page, break-even
+    # guard)
     judge_ema: float = 0.25
     # a catch-up is charged at most this many times what the drafter's recent catch-ups cost (_charge_catch_up)
     catch_up_cap: float = 3.0
@@ -288,7 +293,7 @@ class DraftTime:
 class _Guard:
     backoff: int = 0  # steps skipped after the next non-paying probe / 2
     skip: int = 0  # steps left to skip
-    tokens: float | None = None  # running expected committed tokens of a drafted step (module doc, Guard)
+    tokens: float | None = None  # running expected committed tokens of a drafted step (the page, break-even guard)
     cost: float | None = None  # running cost of a drafted step in decode steps: draft + c(1 + kept nodes)
     # while drafting does not pay: what a probe surely costs (its draft), in decode steps (None: it pays, or
     # nothing is known yet); a probe waits until the sequence has banked that much probe budget (credit)
@@ -343,7 +348,7 @@ class TreeSizer:
         self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
         kept = _Kept.recalled(self.memory)
         self.catch_ups: list[float] = [] if kept is None else list(kept.catch_ups[-_CATCH_UPS:])
-        if kept is not None and len(kept.score_bins) == BINS:  # what earlier calls learned (module doc, Memory)
+        if kept is not None and len(kept.score_bins) == BINS:  # what earlier calls learned (the page, Memory)
             self.score_bins = [list(b) for b in kept.score_bins]
             self.unscored = {(d, r): [a, t] for d, r, a, t in kept.unscored}
             self.last_shape = None if kept.last_shape is None else list(kept.last_shape)
@@ -493,7 +498,7 @@ class TreeSizer:
         """The probe budget ``guard`` holds at its next step: probe_budget of a decode step per step, at most one
         step's worth (or one probe's) banked; a drafter that does not pay probes only on what has been banked, in
         this call and the calls it remembers, so a call too short to afford a probe decodes plainly and leaves its
-        savings to the next (module doc, Guard)."""
+        savings to the next (the page, break-even guard)."""
         return min(guard.credit + self.config.probe_budget, max(1.0, guard.price or 0.0))
 
     @staticmethod
@@ -525,7 +530,8 @@ class TreeSizer:
 
     def _judge(self, seq_id: int, tokens: float, verify: float, batch: int) -> None:
         """A drafted step's expected committed tokens and cost (the draft, plus ``verify``: c(1 + kept nodes) in
-        decode steps) join the sequence's running averages, which decide whether drafting pays (module doc, Guard)."""
+        decode steps) join the sequence's running averages, which decide whether drafting pays (the page, break-even
+        guard)."""
         draft = self.draft_cost(batch)
         cost = draft + verify
         guard = self._guard(seq_id)
@@ -594,7 +600,7 @@ class TreeSizer:
 
         A call of deterministic trees is priced by its own time (the first probe already knows what drafting
         costs). With a sampled tree the time is recorded after sizing: a drafter whose run time depended on what
-        it drew must not move the cut (module doc, Sampled trees). ``verified``: the trees were verified whole
+        it drew must not move the cut (module doc, Invariants). ``verified``: the trees were verified whole
         before this call (pending trees, specdec/pending_trees.py): sized to learn what would have been cut, their
         acceptance is learned node for node."""
         sampled = any(t.mode is not DraftMode.DETERMINISTIC for t in trees)
