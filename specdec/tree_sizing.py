@@ -146,17 +146,6 @@ def _damaged(data: object) -> str | None:
     return f"its {', '.join(wrong)}" if wrong else None
 
 
-def _queued_kept(kept: object) -> dict[int, float]:
-    """The queued steps' seconds per bucket an earlier call kept (_Kept.queued); anything else (an older call's
-    float, a damaged value): none."""
-    if not isinstance(kept, list):
-        return {}
-    try:
-        return {int(b): float(t) for b, t in kept if int(b) >= 1 and float(t) > 0}
-    except (TypeError, ValueError):
-        return {}
-
-
 def _path_probs(accept: list[float], parents: list[int]) -> list[float]:
     """P_i: the product of the acceptance estimates along node i's path."""
     path: list[float] = []
@@ -361,7 +350,9 @@ class TreeSizer:
         self.decode_seconds: float | None = None  # EMA of a plain decode step, from verify times
         # per batch bucket, EMA of a plain step queued behind an unread one (specdec.decode_ahead): what a held-off
         # step costs where the engine queues them (plain_price); a bucket absent: none timed
-        self.queued_seconds: dict[int, float] = _queued_kept(None if kept is None else kept.queued)
+        # (a recalled memory's rows are checked, _damaged; a float, kept by an older call of no known batch: none)
+        self.queued_seconds: dict[int, float] = (
+            {int(b): float(t) for b, t in kept.queued} if kept is not None and isinstance(kept.queued, list) else {})
         self.queues_held_off = False  # the engine queues the steps the guard holds all off (set when it is built)
         self.paid = 0  # proposals that were expected to pay (stats, tests)
         self.unpaid = 0
