@@ -428,14 +428,16 @@ class TreeSizer:
                                          price=kept.price, credit=kept.credit)
         return self.guards[seq_id]
 
-    def _pays(self, tokens: float, cost: float, batch: int = 1) -> bool:
-        """Whether a drafted step's ``tokens`` for its ``cost`` beat the run's plain steps by the margin."""
+    def _pays(self, tokens: float, cost: float, batch: int) -> bool:
+        """Whether a drafted step's ``tokens`` for its ``cost`` beat the run's plain steps at ``batch`` (their price:
+        :meth:`plain_price`) by the margin."""
         return tokens * self.plain_price(batch) > cost * (1.0 + self.config.margin)
 
     def _kept_price(self, guard: _Guard) -> float | None:
         """The probe price a finished sequence leaves to the next call: by its running averages, not its last step
-        (a paying drafter's last step, cut to the token budget, is an unpaid one)."""
-        if guard.tokens is None or guard.cost is None or self._pays(guard.tokens, guard.cost):
+        (a paying drafter's last step, cut to the token budget, is an unpaid one). Priced at a batch of 1, as
+        :meth:`probe_cost` is here: the next call's batch is not known."""
+        if guard.tokens is None or guard.cost is None or self._pays(guard.tokens, guard.cost, 1):
             return None
         return guard.price if guard.price is not None else self.probe_cost(1)
 
