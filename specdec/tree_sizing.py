@@ -604,7 +604,7 @@ class TreeSizer:
         costs = self._relative_costs(batch, max((t.num_nodes for t in trees), default=0))
         for seq_id, tree in zip(seq_ids, trees, strict=True):
             self._size(seq_id, tree, batch, costs)
-        if self.padded and not sampled and len(trees) > 1:
+        if self.padded and not sampled and batch > 1:  # a lone tree too: the sequences not asked run its padded verify
             self._cap_padded(seq_ids, costs, batch)
         for seq_id in seq_ids:
             pending = self.pending.get(seq_id)

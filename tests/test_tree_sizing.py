@@ -817,6 +817,25 @@ def test_a_padded_batch_caps_its_trees_together_where_one_long_tree_would_price_
         assert best >= _padded_ratio(capped_sizer, {i: min(k, alone[i]) for i in alone}, costs) - 1e-12
 
 
+def test_a_padded_batch_caps_a_lone_asked_tree_too():
+    """Through CUDA-graph buckets the sequences the guard holds off run the padded verify of the one it asks: a lone
+    confident chain at batch 8, kept whole as an eager verify keeps it, prices the 8 sequences' step at c(9) for
+    fewer tokens than 8 plain steps' worth; the cap cuts it, as it cuts the trees of a call of two, to a tree whose
+    step beats the batch's plain steps."""
+    costs = CostModel({}, {1: {1: 1.0, 2: 1.05, 9: 1.8, 65: 20.0}})  # each token past the second: a tenth of a step
+    confident = DraftTree.chain(list(range(10, 18)), scores=torch.full((8,), 0.95))
+    kept, ratio = {}, {}
+    for padded in (False, True):
+        sizer = TreeSizer(costs, padded=padded)
+        kept[padded] = sizer.size_call([0], [confident], batch=8, draft_seconds=0.0)[0].num_nodes
+        pending = sizer.pending[0]
+        # the step's tokens (one for each of the 8 sequences, and the kept nodes' expected ones) per plain step
+        ratio[padded] = (8 + sum(pending.path[j] for j in pending.order[:kept[padded]])) / costs.relative(
+            1 + kept[padded], 8)
+    assert kept[False] == confident.num_nodes and 0 < kept[True] < kept[False]
+    assert ratio[False] < 8 < ratio[True]
+
+
 def test_capped_trees_keep_greedy_the_targets_in_a_batch(monkeypatch):
     """A batch sized by the padded cap (as under CUDA-graph buckets: engine_setup passes ``padded`` when the verify
     runs through them) commits plain greedy's tokens; the cap cut some step's trees below what each kept alone."""
