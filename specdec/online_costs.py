@@ -44,6 +44,8 @@ _TOO_STEEP_WARNED: set[str] = set()  # cost cache files already said to be too s
 
 @dataclass
 class OnlineCosts:
+    """The calibrated curve of ``costs`` corrected by one run's verify times, per batch bucket (module doc)."""
+
     costs: CostModel
     window: int = 32  # verify times kept per (batch bucket, n)
     prior: float = 8.0  # pseudo-samples behind a correction of 1

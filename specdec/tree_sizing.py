@@ -280,7 +280,9 @@ class DraftTime:
 
 @dataclass
 class _Guard:
-    backoff: int = 0  # steps skipped after the next non-paying probe / 2
+    """One sequence's break-even guard: its backoff, running averages and probe bank (the page, break-even guard)."""
+
+    backoff: int = 0  # steps skipped after the last drafted step that did not pay (the next: 4x, at least 2)
     skip: int = 0  # steps left to skip
     tokens: float | None = None  # running expected committed tokens of a drafted step (the page, break-even guard)
     cost: float | None = None  # running cost of a drafted step in decode steps: draft + c(1 + kept nodes)
@@ -314,6 +316,9 @@ class _Look:  # a held-off sequence's draft, asked in hindsight (TreeSizer.looke
 
 @dataclass
 class TreeSizer:
+    """One engine's tree sizing and break-even guard over the calibrated ``costs`` (module doc). What the engine
+    fixes for the run (``padded``, ``calibrated_scores``, ``queues_held_off``) is set when it is built."""
+
     costs: CostModel
     config: SizingConfig = field(default_factory=SizingConfig)
     memory: tuple | None = None  # key of the guard's memory across calls (module doc); None: start fresh
