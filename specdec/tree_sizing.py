@@ -611,6 +611,8 @@ class TreeSizer:
             self._size(seq_id, tree, batch, costs)
         if self.padded and not sampled and batch > 1:  # a lone tree too: the sequences not asked run its padded verify
             self._cap_padded(seq_ids, costs, batch)
+        for seq_id in seq_ids:  # what is verified, after the cap
+            self._judge_kept(seq_id, costs, batch)
         for seq_id in seq_ids:
             pending = self.pending.get(seq_id)
             if pending is not None and not pending.kept and not verified and self.online.measure_due(
@@ -629,7 +631,10 @@ class TreeSizer:
     def size(self, seq_id: int, tree: DraftTree, batch: int, costs: list[float] | None = None) -> DraftTree:
         """The best-paying ancestor-closed part of ``tree`` (possibly empty); judges the guard. ``costs``: this
         call's :meth:`_relative_costs` (looked up here if not given)."""
+        if costs is None or len(costs) <= tree.num_nodes:
+            costs = self._relative_costs(batch, tree.num_nodes)
         self._size(seq_id, tree, batch, costs)
+        self._judge_kept(seq_id, costs, batch)
         return self._kept_tree(seq_id, tree)
 
     def _kept_tree(self, seq_id: int, tree: DraftTree) -> DraftTree:
@@ -639,14 +644,12 @@ class TreeSizer:
             return tree
         return tree.subtree(pending.kept)
 
-    def _size(self, seq_id: int, tree: DraftTree, batch: int, costs: list[float] | None) -> None:
-        """:meth:`size`'s choice, kept as the sequence's pending record (its ``kept`` nodes); the guard judged."""
+    def _size(self, seq_id: int, tree: DraftTree, batch: int, costs: list[float]) -> None:
+        """:meth:`size`'s choice, kept as the sequence's pending record (its ``kept`` nodes), for the guard to judge
+        (:meth:`_judge_kept`) once a padded call's cap has cut it. ``costs``: c(1 + k) / c(1) up to the whole tree."""
         if tree.num_nodes == 0:
             self.pending.pop(seq_id, None)
-            self._judge(seq_id, 1.0, 1.0, batch)
             return
-        if costs is None or len(costs) <= tree.num_nodes:
-            costs = self._relative_costs(batch, tree.num_nodes)
         d = self.draft_cost(batch)
         parents = tree.parents.tolist()
         if tree.mode is DraftMode.DETERMINISTIC:
@@ -660,10 +663,18 @@ class TreeSizer:
             order = list(range(len(path)))
             best_k = self._sampled_prefix(seq_id, tree, d, batch, costs)
             self.shapes[seq_id] = parents
-        kept_tokens = 1.0 + sum(path[i] for i in order[:best_k])
         kept = sorted(order[:best_k])
         self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes], batch, order[0], order, path)
-        self._judge(seq_id, kept_tokens, costs[best_k] if best_k else 1.0, batch)
+
+    def _judge_kept(self, seq_id: int, costs: list[float], batch: int) -> None:
+        """The guard judges what the sequence's tree has verified of it, as sized and capped (a tree cut to nothing, or
+        none: the empty tree): its expected tokens for c(1 + kept nodes); a measured verify's node is not counted."""
+        pending = self.pending.get(seq_id)
+        if pending is None:
+            self._judge(seq_id, 1.0, 1.0, batch)
+            return
+        kept = len(pending.kept)  # the first nodes of its sizing order
+        self._judge(seq_id, 1.0 + sum(pending.path[i] for i in pending.order[:kept]), costs[kept], batch)
 
     def _cap_padded(self, seq_ids: list[int], costs: list[float], batch: int) -> None:
         """The kept trees cut to at most K nodes each, K chosen for the whole call: a padded verify costs every sequence

@@ -836,6 +836,21 @@ def test_a_padded_batch_caps_a_lone_asked_tree_too():
     assert ratio[False] < 8 < ratio[True]
 
 
+def test_the_guard_judges_what_the_padded_cap_left_of_a_tree():
+    """Two sequences of 32 asked (a draft costing a tenth of a step), each with a node that pays alone (0.9 tokens
+    for 0.05 of a step) but not for the 32 sequences its padded verify prices: the cap verifies neither, and the
+    guard judges each step as the empty one it was, holding the drafter off, as sized alone (eager) it judges the
+    node it verifies. (Judged as sized alone, the drafter was asked at every step for nothing verified.)"""
+    costs = CostModel({}, {1: {1: 1.0, 2: 1.05, 9: 1.8, 65: 20.0}})  # a decode step: 1 s
+    tree = DraftTree.chain([5], scores=torch.tensor([0.9]))
+    for padded in (False, True):
+        sizer = TreeSizer(costs, calibrated_scores=True, padded=padded)
+        verified = [t.num_nodes for t in sizer.size_call([0, 1], [tree, tree], 32, 0.1)]
+        assert verified == ([0, 0] if padded else [1, 1])
+        assert (sizer.paid, sizer.unpaid) == ((0, 2) if padded else (2, 0))
+        assert [sizer.wants_draft(i) for i in (0, 1)] == [not padded] * 2
+
+
 def test_capped_trees_keep_greedy_the_targets_in_a_batch(monkeypatch):
     """A batch sized by the padded cap (as under CUDA-graph buckets: engine_setup passes ``padded`` when the verify
     runs through them) commits plain greedy's tokens; the cap cut some step's trees below what each kept alone."""
