@@ -1225,7 +1225,7 @@ def test_a_process_tells_its_own_error_from_another_ones(monkeypatch):
         one, zero = FailureNotes(store, 1, 2, 7), FailureNotes(store, 0, 2, 7)
         assert zero.interrupted() is None  # no note: a signal is a signal
         zero.stop(RuntimeError("CUDA out of memory"))  # no note of another process's, no lost connection: its own
-        assert store == {"specdec/run7/failed/0": "RuntimeError: CUDA out of memory"}
+        assert store == {"specdec/run7/failed/0": "failed RuntimeError: CUDA out of memory"}
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
         store.clear()
         lost = (r"another process stopped without a word "
@@ -1233,7 +1233,7 @@ def test_a_process_tells_its_own_error_from_another_ones(monkeypatch):
         with pytest.raises(PeerFailed, match=lost):
             zero.stop(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4242\nmore"))
         one.stop(ValueError("a bad batch"))
-        assert store == {"specdec/run7/failed/1": "ValueError: a bad batch"}
+        assert store == {"specdec/run7/failed/1": "refused ValueError: a bad batch"}
         for stop in (lambda: zero.stop(RuntimeError("[pair.cc:553] Connection closed by peer")),
                      lambda: zero.stop(RuntimeError("any message a collective gives")), zero.interrupted):
             with pytest.raises(PeerFailed, match=r"^process 1 failed \(its error is above\)$") as stopped:
@@ -2048,6 +2048,95 @@ def test_a_process_never_blames_itself_or_notes_a_peers_failure_as_its_own():
         assert zero.failed() is None and zero.interrupted() is None
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_refusal_every_process_makes_is_said_by_process_0_alone(monkeypatch):
+    """Under a launcher every process refused a missing model (or a folder process 0 alone checks stopped the
+    others, which said "stopped: process 0 failed"): the user read the line once per process. Another process's
+    refusal the same as process 0's is marked said by it, and a peer stopped by process 0's refusal knows it was
+    one; a refusal of its own, or a failure, is not."""
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr("specdec.train.process_failures.NOTE_WAIT_S", 0.05)
+    try:
+        store = _Store()
+        zero, one = FailureNotes(store, 0, 2, 7), FailureNotes(store, 1, 2, 7)
+        zero.stop(OutputDirError("o3 is not empty"))
+        with pytest.raises(PeerFailed) as stopped:
+            one.interrupted()  # the launcher's SIGTERM once process 0 exited
+        assert (stopped.value.process, stopped.value.refused) == (0, True)
+        same, other = OutputDirError("o3 is not empty"), InputError("unknown model 'm'")
+        for err in (same, other):
+            one.stop(err)
+        assert same.said_by_process_0 is True and other.said_by_process_0 is False
+        store.clear()
+        zero.stop(RuntimeError("CUDA out of memory"))  # a failure: the others say that they stopped
+        with pytest.raises(PeerFailed) as stopped:
+            one.interrupted()
+        assert (stopped.value.process, stopped.value.refused) == (0, False)
+        alone = InputError("unknown model 'm'")
+        FailureNotes(_Store(), 1, 2, 7).stop(alone)  # process 0 refused nothing: this process says its refusal
+        assert alone.said_by_process_0 is False
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_refusal_under_a_launcher_is_one_line(tmp_path, monkeypatch, capsys):
+    """What each process of a launch prints: process 0 its refusal; another process nothing where process 0 says the
+    same (the command line's options, checked alike by every process, or a refusal marked said by process 0) or
+    where process 0's refusal stopped it, exit status 2 as process 0's; its own refusal, and a failure, as before."""
+    from specdec.train import cli, pipeline
+    from specdec.train.data import TrainDataError
+
+    args = SimpleNamespace(drafter="medusa", output_dir=str(tmp_path), verbose=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    said = TrainDataError("no data")
+    said.said_by_process_0 = True
+    cases = ((0, "options", 2, "error: --lr must be > 0"), (1, "options", 2, ""), (1, said, 2, ""),
+             (1, TrainDataError("no data"), 2, "error: no data"), (1, PeerFailed(0, refused=True), 2, ""),
+             (1, PeerFailed(0), 1, "stopped: process 0 failed"), (1, PeerFailed(1, refused=True), 1, "stopped"))
+    for rank, stop, code, line in cases:
+        monkeypatch.setenv("RANK", str(rank))
+        if stop == "options":
+            monkeypatch.setattr(cli, "config_from_args", lambda args: (_ for _ in ()).throw(
+                ValueError("--lr must be > 0, got -1.0")))
+        else:
+            monkeypatch.setattr(cli, "config_from_args", lambda args: None)
+
+            def run_training(cfg, stop=stop):
+                raise stop
+
+            monkeypatch.setattr(pipeline, "run_training", run_training)
+        assert cli.run(args) == code, (rank, stop)
+        err = capsys.readouterr().err
+        assert (err.startswith(f"specdec train-medusa: {line}") and err.count("\n") == 1) if line else err == "", \
+            (rank, stop, err)
+
+
+@pytest.mark.slow
+def test_a_launch_of_two_processes_says_each_refusal_once(tiny, tmp_path):
+    """Two real processes (gloo): a refusal both make (an option's value, a missing model) and one process 0 alone
+    makes (its output folder's rules: a folder of another run, a --resume of a run stopped before its first
+    checkpoint) were said once per process, or followed by "stopped: process 0 failed"; one line now, as one process
+    says it."""
+    import subprocess
+
+    theirs, early = tmp_path / "theirs", tmp_path / "early"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("x")
+    early.mkdir()
+    (early / "run.json").write_text("{}")
+    args = ["-m", "specdec.cli", "train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
+            "--num-heads", "2", "--seq-len", "32", "--batch-size", "4", "--max-steps", "2", "--no-eval-tau",
+            "--no-progress"]
+    for extra, said in ((["--lr", "-1"], "--lr must be > 0"), (["--model", str(tmp_path / "none")], "unknown model"),
+                        (["--output-dir", str(theirs)], "is not empty"),
+                        (["--resume", "--output-dir", str(early)], "stopped before its first one")):
+        cmd = _launch_two(*args, "--output-dir", str(tmp_path / "out"), *extra)  # a second --output-dir wins
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        lines = [x for x in proc.stderr.splitlines() if x.startswith("specdec train-medusa:")]
+        assert proc.returncode != 0 and len(lines) == 1 and said in lines[0], _what_the_ranks_said(proc.stderr)
+        assert not any(x.startswith("[rank") and "Traceback" in x for x in proc.stderr.splitlines()), proc.stderr
 
 
 def test_a_signal_after_a_peer_failed_ignores_the_launchers_sigterm_from_then_on():

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -293,21 +294,26 @@ def _say(line: str) -> None:
 
 
 def run(args) -> int:
-    from specdec.train.data import TrainDataError
-    from specdec.train.output_dir import OutputDirError
     from specdec.train.pipeline import run_training
-    from specdec.train.process_failures import PeerFailed
+    from specdec.train.process_failures import REFUSED, PeerFailed
 
     from specdec.cli import traceback_if
 
+    options_checked = False
     try:
         with sigterm_as_interrupt(), console_at_cli_level(getattr(args, "verbose", False)):
-            report = run_training(config_from_args(args))
-    except (TrainDataError, OutputDirError, ValueError, FileNotFoundError) as err:
+            cfg = config_from_args(args)
+            options_checked = True
+            report = run_training(cfg)
+    except REFUSED as err:  # TrainDataError, OutputDirError, InputError, a model not found, ...
         traceback_if(getattr(args, "verbose", False))  # -v: the traceback first, as for every other command
-        _say(f"specdec train-{args.drafter}: error: {err}")
+        # under a launcher process 0 says a refusal every process makes (its options' are the same command line's)
+        if not getattr(err, "said_by_process_0", False) and (options_checked or os.environ.get("RANK", "0") == "0"):
+            _say(f"specdec train-{args.drafter}: error: {err}")
         return 2
     except PeerFailed as err:  # another process's error stopped this one (its own line says why)
+        if err.refused and err.process == 0:  # process 0's refusal (its output folder's): the run's, said once
+            return 2
         _say(f"specdec train-{args.drafter}: stopped: {err}")
         return 1
     except KeyboardInterrupt as err:
