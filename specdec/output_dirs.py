@@ -11,8 +11,9 @@ Errors are :class:`~specdec.errors.InputError` (a ``ValueError``): the CLIs prin
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from specdec.errors import InputError
@@ -45,9 +46,29 @@ def _unwritable(folder: Path) -> str | None:
 
 
 def first_undeletable(folders: Iterable[Path]) -> Path | None:
-    """The first of ``folders`` whose entries this user may not delete (another user's run in a shared folder),
-    else None: checked before an ``--overwrite`` deletes anything, so that it deletes all of a run or nothing."""
-    return next((folder for folder in folders if not os.access(folder, os.W_OK | os.X_OK)), None)
+    """The first of ``folders`` whose entries this user may not delete (another user's run in a shared folder:
+    one without write permission, or :func:`sticky_for_others`), else None: checked before an ``--overwrite``
+    deletes anything, so that it deletes all of a run or nothing."""
+    return next((folder for folder in folders
+                 if not os.access(folder, os.W_OK | os.X_OK) or sticky_for_others(folder)), None)
+
+
+def sticky_for_others(folder: Path, names: Collection[str] | None = None) -> bool:
+    """Whether ``folder`` has the sticky bit (as /tmp), is not this user's, and holds an entry of another user (of
+    ``names``, where given): there only an entry's owner (or the folder's, or root) may delete it or rename another
+    file over it, whatever the folder's write permission."""
+    if not hasattr(os, "geteuid"):  # Windows: no sticky bit
+        return False
+    me = os.geteuid()
+    try:
+        st = os.stat(folder)
+        if me == 0 or not st.st_mode & stat.S_ISVTX or st.st_uid == me:
+            return False
+        with os.scandir(folder) as entries:
+            return any(entry.stat(follow_symlinks=False).st_uid != me for entry in entries
+                       if names is None or entry.name in names)
+    except OSError:  # gone, or not listable (then not writable either: os.access says so)
+        return False
 
 
 def _read_only(folder: Path) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import tempfile
 
 import pytest
@@ -92,3 +93,20 @@ def test_the_first_folder_this_user_may_not_delete_from_is_named(tmp_path, monke
                         and access(p, mode, **kw))
     assert first_undeletable(folders) == folders[1]
     assert first_undeletable(iter(folders[2:])) == folders[2]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the sticky bit is POSIX's")
+def test_a_sticky_folder_of_another_users_files_is_undeletable(tmp_path, monkeypatch):
+    """In a folder with the sticky bit (as /tmp) only an entry's owner, the folder's or root may delete it: writable
+    by all, another user's run there passed as deletable, and --overwrite (train, eval) failed half-way."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    (folder / "theirs.json").write_text("{}")
+    os.chmod(folder, 0o1777)
+    owner = os.stat(folder).st_uid
+    for me, undeletable in ((owner + 1, folder), (owner, None), (0, None)):
+        monkeypatch.setattr(os, "geteuid", lambda me=me: me)
+        assert first_undeletable([folder]) == undeletable, me
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+    os.chmod(folder, 0o777)  # no sticky bit: write permission is enough
+    assert first_undeletable([folder]) is None

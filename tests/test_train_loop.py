@@ -1590,6 +1590,34 @@ def test_resume_of_a_run_this_user_cannot_write_is_refused_before_the_model_load
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the sticky bit is POSIX's")
+def test_another_users_run_in_a_sticky_folder_is_refused_before_anything_changes(tiny, tmp_path, monkeypatch):
+    """An --output-dir with the sticky bit (as /tmp), writable by all, holding another user's run: its write
+    permission passed the checks, then --overwrite stopped at the first file it deleted ("[Errno 1] Operation not
+    permitted"), and --resume at its first save (the checkpoint renamed) or its report. Both are refused before
+    anything changes; the same folder of this user's own run is emptied as before."""
+    import specdec.models.loader
+
+    run = _fake_run(tmp_path / "run")
+    os.chmod(run, 0o1777)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    owner = os.stat(run).st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # this user owns neither the folder nor its files
+    monkeypatch.setattr(specdec.models.loader, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    overwrite = SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)
+    with pytest.raises(OutputDirError, match=f"cannot delete {run}: this user may not delete what {run} holds"):
+        output_dir.prepare_output_dir(overwrite)
+    with pytest.raises(OutputDirError, match=f"--resume: {run} has the sticky bit .*cp -r"):
+        run_training(_cfg(tiny, run, resume=True))
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    monkeypatch.setattr(os, "geteuid", lambda: owner)
+    (run / "notes.txt").write_text("another user's file beside this user's run")
+    os.chown(run / "notes.txt", owner + 1, -1)
+    output_dir.check_resume_writable(run)  # a file the run never replaces: resumed as before
+    (run / "notes.txt").unlink()
+    assert output_dir.prepare_output_dir(overwrite) is None and list(run.iterdir()) == []
+
+
 def test_measured_tau_verifies_every_tree_whole(monkeypatch):
     """tau measures the heads: every proposal verified (speculation="always"). Under the default guard, on a CPU
     where the quick recipe's heads do not pay, the report's tau was the guard leaving them out (1.06, not ~1.6)."""

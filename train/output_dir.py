@@ -25,7 +25,7 @@ from specdec.train.config import TrainConfig, resolved_path
 
 from specdec.atomic_write import leftover_of
 from specdec.errors import SpecdecError
-from specdec.output_dirs import first_undeletable
+from specdec.output_dirs import first_undeletable, sticky_for_others
 
 logger = logging.getLogger(__name__)
 RUN_FILE = "run.json"
@@ -89,6 +89,10 @@ def check_resume_writable(out: Path) -> None:
     "[Errno 39] Directory not empty" stopped the run, the other user's checkpoint left renamed to checkpoint.old."""
     if not out.is_dir():
         return
+    if sticky_for_others(out, RUN_NAMES | set(CHECKPOINT_DIRS)):  # saves rename its checkpoint, replace its reports
+        raise OutputDirError(f"--resume: {out} has the sticky bit (as /tmp) and holds another user's files, which "
+                             f"only their owner may replace there; copy the run to a folder of your own (cp -r {out} "
+                             "NEW) and resume with --output-dir NEW")
     stuck = first_undeletable([out / name for name in CHECKPOINT_DIRS
                                if (out / name).is_dir() and not (out / name).is_symlink()])
     if stuck is None and (out / "train.log").is_file() and not os.access(out / "train.log", os.W_OK):
