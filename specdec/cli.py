@@ -672,7 +672,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse with its mistakes in one line, as every other mistake is (no usage block before it)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+        line = None if another_process_says_it() else f"{self.prog}: error: {' '.join(message.split())} (see " \
+            f"{self.prog} --help)\n"
+        self.exit(2, line)
 
     def _print_message(self, message: str, file=None) -> None:
         """--help and --version: argparse drops a failed write, so ``specdec --help > /dev/full`` exited 0 having
@@ -836,6 +838,15 @@ def _run_command(args, name: str) -> int:
         _flush_stdout()
         print(f"{name}: {how_stopped(err)}", file=sys.stderr)
         return exit_code(err)  # 130, or 143 for SIGTERM
+
+
+def another_process_says_it() -> bool:
+    """Whether this process is one of a launch (torchrun, accelerate launch: WORLD_SIZE > 1) other than its first
+    (RANK 0): every process parses the same command line, so the first alone says what is wrong with it."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0
+    except ValueError:  # not a launcher's
+        return False
 
 
 def traceback_if(verbose: bool) -> None:

@@ -251,6 +251,19 @@ def test_a_bad_option_is_one_line_from_its_command(capsys, argv, said):
     assert err.rstrip().endswith(f"(see specdec {' '.join(argv[:2 if argv[0] == 'eval' else 1])} --help)")
 
 
+def test_a_bad_option_under_a_launcher_is_said_by_its_first_process_alone(capsys, monkeypatch):
+    """`accelerate launch --num_processes 2 -m specdec.cli train-medusa --batch-size abc` printed the mistake once per
+    process (every one parses the same command line): the first says it, the others exit 2 quietly."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_:
+            main(["train-medusa", "--batch-size", "abc", "--output-dir", "out"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == lines, (rank, err)
+        assert not lines or err.startswith("specdec train-medusa: error: argument --batch-size: invalid int value")
+
+
 def test_the_command_line_takes_the_models_generation_config_where_no_flag_is_given(tmp_path, capsys):
     """`specdec generate` passed its flags' defaults (greedy, 128 tokens) as keyword arguments, which win over a
     checkpoint's generation_config.json: a model configured to sample, or to stop at 6 tokens, did neither."""

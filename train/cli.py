@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -297,7 +296,7 @@ def run(args) -> int:
     from specdec.train.pipeline import run_training
     from specdec.train.process_failures import REFUSED, PeerFailed
 
-    from specdec.cli import traceback_if
+    from specdec.cli import another_process_says_it, traceback_if
 
     options_checked = False
     try:
@@ -308,7 +307,7 @@ def run(args) -> int:
     except REFUSED as err:  # TrainDataError, OutputDirError, InputError, a model not found, ...
         traceback_if(getattr(args, "verbose", False))  # -v: the traceback first, as for every other command
         # under a launcher process 0 says a refusal every process makes (its options' are the same command line's)
-        if not getattr(err, "said_by_process_0", False) and (options_checked or os.environ.get("RANK", "0") == "0"):
+        if not getattr(err, "said_by_process_0", False) and (options_checked or not another_process_says_it()):
             _say(f"specdec train-{args.drafter}: error: {err}")
         return 2
     except PeerFailed as err:  # another process's error stopped this one (its own line says why)
