@@ -26,7 +26,7 @@ from specdec.errors import require_package
 from specdec.folder_lock import launch_writer, only_writer
 from specdec.help_format import name_commands, path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
-from specdec.output_dirs import check_creatable, first_undeletable, make_dir, why_uncreatable
+from specdec.output_dirs import check_creatable, first_undeletable, make_dir, sticky_for_others, why_uncreatable
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
 DEFAULT_PROMPTS = 20
@@ -277,8 +277,11 @@ def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resuma
         resume = "pass --resume to continue it, " if resumable else ""
         raise ValueError(f"--out {out} holds an earlier run ({', '.join(p.name for p in found)}); {resume}pass "
                          "--overwrite to replace it, or name another directory")
-    # another user's run in a shared folder: its files this user could delete went, then a PermissionError on its cells
+    # another user's run in a shared folder: its files this user could delete went, then a PermissionError on its cells;
+    # in an --out with the sticky bit (as /tmp) its reports too, whatever the folder's write permission
     folder = first_undeletable(p for p in found if p.is_dir())
+    if folder is None and sticky_for_others(out, {p.name for p in found if not p.is_dir()}):
+        folder = out
     if folder is not None:
         raise ValueError(f"--out {out}: --overwrite cannot replace the earlier run: this user may not delete what "
                          f"{folder} holds (another user's run?); ask its owner to delete it, or name another directory")
@@ -286,8 +289,14 @@ def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resuma
 
 
 def check_cells_writable(out: Path) -> None:
-    """Refuse, before the model loads, a --resume whose earlier cells folder this user cannot add to (another
-    user's run in a shared --out): the first cell measured failed to be written, minutes into the run."""
+    """Refuse, before the model loads, a --resume of another user's run in a shared --out that this user cannot carry
+    on writing: a cells folder it cannot add to (the first cell measured failed to be written, minutes into the run),
+    or, in an --out with the sticky bit, their settings.json and reports (the first write, replacing settings.json,
+    failed with "Operation not permitted")."""
+    if sticky_for_others(out, set(ACCEPTANCE_FILES) - {"cells"}):  # settings.json and the reports are replaced
+        raise ValueError(f"--out {out}: --resume cannot replace the earlier run's settings.json and reports: --out has "
+                         "the sticky bit (as /tmp) and they are another user's, which only their owner may replace "
+                         f"there; copy the run to a folder of your own (cp -r {out} NEW) and resume with --out NEW")
     cells = out / "cells"
     why = why_uncreatable(cells) if cells.is_dir() else None
     if why is not None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pkgutil
+import sys
 
 import pytest
 
@@ -72,6 +74,45 @@ def test_a_resume_whose_cells_folder_cannot_be_written_into_is_refused_before_an
         f"--out {out}: --resume cannot add cells: {cells} is not writable (another user's run?); ask its owner to "
         f"let you write it (chmod -R g+w {out}), or copy the run to a folder of your own (cp -r {out} NEW) and "
         "resume with --out NEW")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the sticky bit is POSIX's")
+def test_another_users_run_in_a_sticky_out_is_refused_before_any_file_goes(ckpt, tmp_path, capsys, no_load,
+                                                                             monkeypatch):
+    """An --out with the sticky bit (as /tmp), writable by all, holding another user's run: only the checks of its
+    cells folder knew the sticky bit, so --overwrite of their certificate or reports loaded the model and stopped at
+    the first file it deleted ("Operation not permitted"), and --resume at its first write (settings.json replaced).
+    Each is refused in one line before the model loads, and the earlier run stays whole; a file of the run this user
+    owns, or another user's file that no run writes, is no obstacle."""
+    from specdec.eval.cli import ACCEPTANCE_FILES, check_cells_writable, check_earlier_run
+
+    out = tmp_path / "shared"
+    out.mkdir()
+    for name in ("certificate.json", "certificate.md", "settings.json", "conversations.json"):
+        (out / name).write_text("{}")
+    os.chmod(out, 0o1777)
+    before = sorted(p.name for p in out.iterdir())
+    owner = os.stat(out).st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # this user owns neither the folder nor its files
+    cases = ((["eval", "lossless", *SMALL, "--overwrite"], f"this user may not delete what {out} holds"),
+             (["eval", "acceptance", "--categories", "chat", "--prompts", "1", *RUN, "--overwrite"],
+              f"this user may not delete what {out} holds"),
+             (["eval", "acceptance", "--categories", "chat", "--prompts", "1", *RUN, "--resume"],
+              f"--out {out}: --resume cannot replace the earlier run's settings.json and reports: --out has the "
+              f"sticky bit (as /tmp) and they are another user's"))
+    for argv, said in cases:
+        code, captured = _main([*argv, "--model", ckpt, "--out", str(out)], capsys)
+        assert code == 2 and said in _one_line(captured), captured.err
+    assert sorted(p.name for p in out.iterdir()) == before
+    for name in before:  # another user's file beside this user's run, which no run writes
+        os.rename(out / name, out / f"{name}.notes")
+    check_earlier_run(out, ACCEPTANCE_FILES, overwrite=True)
+    check_cells_writable(out)
+    monkeypatch.setattr(os, "geteuid", lambda: owner)  # this user's own run
+    for name in before:
+        os.rename(out / f"{name}.notes", out / name)
+    assert len(check_earlier_run(out, ACCEPTANCE_FILES, overwrite=True)) == 2
+    check_cells_writable(out)
 
 
 def test_a_certificate_whose_samples_fall_in_one_bin_is_strict_json(ckpt, tmp_path, capsys):
