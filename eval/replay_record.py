@@ -36,7 +36,7 @@ from specdec.eval.resume import model_identity
 
 from specdec.atomic_write import write_json
 from specdec.errors import InputError
-from specdec.output_dirs import why_uncreatable
+from specdec.output_dirs import sticky_for_others, why_uncreatable
 from specdec.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
@@ -204,6 +204,9 @@ def check_record_path(path: str | Path, overwrite: bool, inputs: Sequence[str | 
     if path.is_file() and not _is_a_record(path):  # --overwrite replaces an earlier record, never other data
         raise InputError(f"--out {path} exists and is not a replay record; --overwrite replaces only a record: "
                          "name another file")
+    if path.is_file() and sticky_for_others(path.parent, {path.name}):  # a rename over it: "Operation not permitted"
+        raise InputError(f"--out {path}: --overwrite cannot replace it: {path.parent} has the sticky bit (as /tmp) and "
+                         "the record is another user's, which only its owner may replace there; name another file")
     # a folder the record cannot go into (or be written into) fails now, not after the recording
     why = why_uncreatable(path.parent)
     if why is None:
