@@ -40,7 +40,7 @@ from specdec.drafters.eagle_model import EagleModel
 
 from specdec.atomic_write import leftover_of, save_tensors, write_json
 from specdec.errors import InputError, SpecdecError
-from specdec.output_dirs import check_creatable
+from specdec.output_dirs import check_creatable, sticky_for_others
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,10 @@ def _check_output_dir(out: Path, overwrite: bool) -> None:
     if others:
         raise InputError(f"export-head: --overwrite will not write into {out}: it holds more than an earlier export "
                          f"({', '.join(others[:5])}); name another directory")
+    if sticky_for_others(out, {CONFIG_FILE, WEIGHTS_FILE}):  # each write renames over one: "Operation not permitted"
+        raise InputError(f"export-head: --overwrite cannot replace the earlier export in {out}: it has the sticky bit "
+                         "(as /tmp) and the export is another user's, which only its owner may replace there; name "
+                         "another directory")
 
 
 def _target(recorded: str, given: str | None, src: Path) -> tuple[str, str]:

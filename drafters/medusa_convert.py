@@ -49,7 +49,7 @@ from specdec.drafters.medusa_tree import check_paths
 
 from specdec.atomic_write import leftover_of
 from specdec.errors import InputError
-from specdec.output_dirs import check_creatable
+from specdec.output_dirs import check_creatable, sticky_for_others
 
 logger = logging.getLogger(__name__)
 
@@ -386,6 +386,10 @@ def convert_published(source: str | os.PathLike, output_dir: str | os.PathLike, 
                                     "choose another --output-dir")
     if existing:
         _check_previous_conversion(out)
+    if sticky_for_others(out, existing):  # its config is deleted, the weights renamed over: "Operation not permitted"
+        raise MedusaCheckpointError(f"--overwrite cannot replace the previous conversion in {out}: it has the sticky "
+                                    "bit (as /tmp) and the conversion is another user's, which only its owner may "
+                                    "replace there; choose another --output-dir")
     config, state = read_published(src, base_model, medusa_choices)
     with torch.device("meta"):  # the module only checks names and shapes; the tensors are assigned as read
         heads = MedusaHeads(config)
