@@ -3,6 +3,7 @@ reuse while it is intact (each conversion of the embedded model is ~6 s and a 51
 replaced by one that writes small files."""
 from __future__ import annotations
 
+import os
 import tempfile
 
 from specdec.models import embedded
@@ -52,3 +53,36 @@ def test_a_conversion_for_this_run_only_is_not_called_one_time(tmp_path, monkeyp
     converting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("converting m.gguf")]
     assert len(converting) == 1 and "(dequantization for this run only, ~10 s)" in converting[0], caplog.text
     assert "one-time" not in caplog.text
+
+
+def test_another_users_damaged_conversion_in_a_sticky_cache_is_left_and_converted_for_this_run(tmp_path, monkeypatch,
+                                                                                               caplog):
+    """A shared model cache with the sticky bit (as /tmp) holding another user's damaged (or unreadable) conversion:
+    the GGUF was converted, then moving their copy aside stopped with "Operation not permitted", the conversion
+    deleted and the model not loaded. Their copy is left, and the conversion goes to a folder for this run only."""
+    calls = []
+
+    def convert_into(gguf_path, out, **kw):
+        calls.append(out)
+        (out / "model.safetensors").write_bytes(b"weights" * 1000)
+        (out / "config.json").write_text('{"model_type": "llama"}')
+
+    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setattr(embedded, "_TEMPORARY", {})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    theirs = embedded.converted_dir(gguf)
+    theirs.mkdir(parents=True)
+    (theirs / "config.json").write_text("{}")  # no manifest: damaged
+    os.chmod(theirs.parent, 0o1777)
+    owner = os.stat(theirs.parent).st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # this user owns neither the cache nor the conversion
+    with caplog.at_level("WARNING", logger="specdec.models.embedded"):
+        got = embedded.convert_gguf(gguf, theirs)
+    assert got == calls[0] and got.parent == tmp_path / "tmp" and embedded.is_intact(got)
+    assert "for this run only" in caplog.text and "only its owner may replace" in caplog.text
+    assert [p.name for p in theirs.parent.iterdir()] == [theirs.name]
+    assert [p.name for p in theirs.iterdir()] == ["config.json"]

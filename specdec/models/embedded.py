@@ -41,6 +41,7 @@ from pathlib import Path
 from specdec.atomic_write import as_created, umask
 from specdec.errors import ModelNotFoundError, SpecdecError, require_package
 from specdec.folder_lock import FolderInUse, only_writer
+from specdec.output_dirs import sticky_for_others
 
 logger = logging.getLogger(__name__)
 
@@ -602,8 +603,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     A cached conversion is reused only while its manifest vouches for it (:func:`is_intact`); a truncated or
     damaged one (or one from before manifests) is converted again, with a warning. A conversion of the same file
     another process runs now is waited for and loaded, not run again (:func:`_wait_for_others`). When the cache
-    directory cannot be written, the conversion goes to a temporary directory for this process, with a warning, and
-    later calls reuse it while it is intact. Loading an intact conversion removes the folders killed conversions left
+    directory cannot be written (or its damaged copy is another user's in a cache with the sticky bit, which only they
+    may replace), the conversion goes to a temporary directory for this process, with a warning, and later calls
+    reuse it while it is intact. Loading an intact conversion removes the folders killed conversions left
     (:func:`_remove_leftovers`), as converting does: a rerun right after a kill finds the killed one's folder too
     young to remove, and no conversion of that file comes again."""
     if is_intact(out_dir):
@@ -621,6 +623,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     elif out_dir.exists():
         logger.warning("the cached conversion %s is incomplete, damaged or unverified: converting again", out_dir)
     try:
+        if out_dir.exists() and sticky_for_others(out_dir.parent, {out_dir.name}):  # its rename aside would fail
+            raise PermissionError(errno.EPERM, f"{out_dir.name} is another user's, which only its owner may replace "
+                                  "in a folder with the sticky bit")
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(out_dir.parent)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f"{_TMP}{out_dir.name}-"))  # named: others wait on it
