@@ -20,7 +20,8 @@ def _unwritable_cache(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker))
 
 
-def test_an_unwritable_cache_converts_once_per_process(tmp_path, monkeypatch, caplog):
+def _fake_conversion(monkeypatch) -> list:
+    """The conversion replaced by one writing small files; returns the folders it converted into, in order."""
     calls = []
 
     def convert_into(gguf_path, out, **kw):
@@ -29,6 +30,11 @@ def test_an_unwritable_cache_converts_once_per_process(tmp_path, monkeypatch, ca
         (out / "config.json").write_text('{"model_type": "llama"}')
 
     monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    return calls
+
+
+def test_an_unwritable_cache_converts_once_per_process(tmp_path, monkeypatch, caplog):
+    calls = _fake_conversion(monkeypatch)
     _unwritable_cache(tmp_path, monkeypatch)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"gguf")
@@ -60,14 +66,7 @@ def test_another_users_damaged_conversion_in_a_sticky_cache_is_left_and_converte
     """A shared model cache with the sticky bit (as /tmp) holding another user's damaged (or unreadable) conversion:
     the GGUF was converted, then moving their copy aside stopped with "Operation not permitted", the conversion
     deleted and the model not loaded. Their copy is left, and the conversion goes to a folder for this run only."""
-    calls = []
-
-    def convert_into(gguf_path, out, **kw):
-        calls.append(out)
-        (out / "model.safetensors").write_bytes(b"weights" * 1000)
-        (out / "config.json").write_text('{"model_type": "llama"}')
-
-    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    calls = _fake_conversion(monkeypatch)
     monkeypatch.setattr(embedded, "_TEMPORARY", {})
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
