@@ -111,6 +111,19 @@ def _grad_mode_restored():
 
 
 @pytest.fixture
+def another_users_sticky(monkeypatch):
+    """``another_users_sticky(folder)``: the folder gets the sticky bit and is writable by all (as /tmp), and this
+    process looks like a user who owns neither it nor what it holds (tests run as root); returns its owner's uid."""
+    def make(folder) -> int:
+        os.chmod(folder, 0o1777)
+        owner = os.stat(folder).st_uid
+        monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+        return owner
+
+    return make
+
+
+@pytest.fixture
 def read_only(monkeypatch):
     """``read_only(folder)``: the folder refuses writes as a read-only file system does (for root too), as
     ``os.access`` and creating a file there see it."""

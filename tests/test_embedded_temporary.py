@@ -3,7 +3,6 @@ reuse while it is intact (each conversion of the embedded model is ~6 s and a 51
 replaced by one that writes small files."""
 from __future__ import annotations
 
-import os
 import tempfile
 
 from specdec.models import embedded
@@ -62,7 +61,8 @@ def test_a_conversion_for_this_run_only_is_not_called_one_time(tmp_path, monkeyp
 
 
 def test_another_users_damaged_conversion_in_a_sticky_cache_is_left_and_converted_for_this_run(tmp_path, monkeypatch,
-                                                                                               caplog):
+                                                                                               caplog,
+                                                                                               another_users_sticky):
     """A shared model cache with the sticky bit (as /tmp) holding another user's damaged (or unreadable) conversion:
     the GGUF was converted, then moving their copy aside stopped with "Operation not permitted", the conversion
     deleted and the model not loaded. Their copy is left, and the conversion goes to a folder for this run only."""
@@ -76,9 +76,7 @@ def test_another_users_damaged_conversion_in_a_sticky_cache_is_left_and_converte
     theirs = embedded.converted_dir(gguf)
     theirs.mkdir(parents=True)
     (theirs / "config.json").write_text("{}")  # no manifest: damaged
-    os.chmod(theirs.parent, 0o1777)
-    owner = os.stat(theirs.parent).st_uid
-    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # this user owns neither the cache nor the conversion
+    another_users_sticky(theirs.parent)  # this user owns neither the cache nor the conversion
     with caplog.at_level("WARNING", logger="specdec.models.embedded"):
         got = embedded.convert_gguf(gguf, theirs)
     assert got == calls[0] and got.parent == tmp_path / "tmp" and embedded.is_intact(got)

@@ -78,7 +78,7 @@ def test_a_resume_whose_cells_folder_cannot_be_written_into_is_refused_before_an
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the sticky bit is POSIX's")
 def test_another_users_run_in_a_sticky_out_is_refused_before_any_file_goes(ckpt, tmp_path, capsys, no_load,
-                                                                             monkeypatch):
+                                                                             monkeypatch, another_users_sticky):
     """An --out with the sticky bit (as /tmp), writable by all, holding another user's run: only the checks of its
     cells folder knew the sticky bit, so --overwrite of their certificate or reports loaded the model and stopped at
     the first file it deleted ("Operation not permitted"), and --resume at its first write (settings.json replaced).
@@ -90,10 +90,8 @@ def test_another_users_run_in_a_sticky_out_is_refused_before_any_file_goes(ckpt,
     out.mkdir()
     for name in ("certificate.json", "certificate.md", "settings.json", "conversations.json"):
         (out / name).write_text("{}")
-    os.chmod(out, 0o1777)
+    owner = another_users_sticky(out)  # this user owns neither the folder nor its files
     before = sorted(p.name for p in out.iterdir())
-    owner = os.stat(out).st_uid
-    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # this user owns neither the folder nor its files
     cases = ((["eval", "lossless", *SMALL, "--overwrite"], f"this user may not delete what {out} holds"),
              (["eval", "acceptance", "--categories", "chat", "--prompts", "1", *RUN, "--overwrite"],
               f"this user may not delete what {out} holds"),

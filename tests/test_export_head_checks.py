@@ -190,7 +190,7 @@ def test_overwrite_replaces_an_earlier_export_left_half_written(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the sticky bit is POSIX's")
-def test_overwrite_of_another_users_export_in_a_sticky_folder_is_refused(tmp_path, monkeypatch):
+def test_overwrite_of_another_users_export_in_a_sticky_folder_is_refused(tmp_path, monkeypatch, another_users_sticky):
     """An --output-dir with the sticky bit (as /tmp), writable by all, holding another user's export: --overwrite
     stopped at its first write ("Operation not permitted"), or, with the weights this user's and the config theirs,
     left new weights beside the old config. It is refused before anything is written; this user's own export there
@@ -199,10 +199,8 @@ def test_overwrite_of_another_users_export_in_a_sticky_folder_is_refused(tmp_pat
 
     write_sglang_checkpoint(tmp_path / "src")
     out, _ = export_head(tmp_path / "src", "speculators", tmp_path / "shared", target="org/tiny-target")
-    os.chmod(out, 0o1777)
+    owner = another_users_sticky(out)  # this user owns neither the folder nor the export
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    owner = os.stat(out).st_uid
-    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # this user owns neither the folder nor the export
     with pytest.raises(InputError, match=f"^export-head: --overwrite cannot replace the earlier export in {out}: it "
                                          "has the sticky bit"):
         export_head(tmp_path / "src", "sglang", out, target="org/tiny-target", overwrite=True)

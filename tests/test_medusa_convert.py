@@ -437,16 +437,15 @@ def test_overwrite_replaces_only_a_previous_conversion(tmp_path, holds):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the sticky bit is POSIX's")
-def test_overwrite_of_another_users_conversion_in_a_sticky_folder_is_refused(tmp_path, monkeypatch):
+def test_overwrite_of_another_users_conversion_in_a_sticky_folder_is_refused(tmp_path, monkeypatch,
+                                                                              another_users_sticky):
     """An --output-dir with the sticky bit (as /tmp), writable by all, holding another user's conversion: the
     source was read, then --overwrite stopped at its first deletion ("Operation not permitted"). It is refused before
     anything is read or changed; this user's own conversion there is replaced as before."""
     src = write_medusa1(tmp_path / "src", medusa_module(2, 1), 1)
     out = convert_published(src, tmp_path / "shared")
-    os.chmod(out, 0o1777)
+    owner = another_users_sticky(out)  # this user owns neither the folder nor the conversion
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    owner = os.stat(out).st_uid
-    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # this user owns neither the folder nor the conversion
     with pytest.raises(MedusaCheckpointError, match=f"^--overwrite cannot replace the previous conversion in {out}: "
                                                     "it has the sticky bit"):
         convert_published(src, out, overwrite=True)

@@ -589,7 +589,8 @@ def test_an_earlier_record_is_replaced_only_with_overwrite_and_a_folder_never(tm
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the sticky bit is POSIX's")
-def test_another_users_record_in_a_sticky_folder_is_refused_before_the_recording(tmp_path, recorded, monkeypatch):
+def test_another_users_record_in_a_sticky_folder_is_refused_before_the_recording(tmp_path, recorded, monkeypatch,
+                                                                                 another_users_sticky):
     """--out naming another user's record in a folder with the sticky bit (as /tmp): --overwrite recorded the whole
     run, then its rename over their file stopped with "Operation not permitted". It is refused before the recording;
     this user's own record there is replaced as before."""
@@ -598,9 +599,7 @@ def test_another_users_record_in_a_sticky_folder_is_refused_before_the_recording
     folder = tmp_path / "shared"
     folder.mkdir()
     path = save_record(recorded[1], folder / "run.json")
-    os.chmod(folder, 0o1777)
-    owner = os.stat(folder).st_uid
-    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # this user owns neither the folder nor the record
+    owner = another_users_sticky(folder)  # this user owns neither the folder nor the record
     with pytest.raises(InputError, match=f"^--out {path}: --overwrite cannot replace it: {folder} has the sticky bit"):
         check_record_path(path, overwrite=True)
     check_record_path(folder / "mine.json", overwrite=True)  # a new file there: written as before

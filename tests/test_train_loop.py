@@ -1591,7 +1591,8 @@ def test_resume_of_a_run_this_user_cannot_write_is_refused_before_the_model_load
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the sticky bit is POSIX's")
-def test_another_users_run_in_a_sticky_folder_is_refused_before_anything_changes(tiny, tmp_path, monkeypatch):
+def test_another_users_run_in_a_sticky_folder_is_refused_before_anything_changes(tiny, tmp_path, monkeypatch,
+                                                                                   another_users_sticky):
     """An --output-dir with the sticky bit (as /tmp), writable by all, holding another user's run: its write
     permission passed the checks, then --overwrite stopped at the first file it deleted ("[Errno 1] Operation not
     permitted"), and --resume at its first save (the checkpoint renamed) or its report. Both are refused before
@@ -1599,10 +1600,8 @@ def test_another_users_run_in_a_sticky_folder_is_refused_before_anything_changes
     import specdec.models.loader
 
     run = _fake_run(tmp_path / "run")
-    os.chmod(run, 0o1777)
+    owner = another_users_sticky(run)  # this user owns neither the folder nor its files
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
-    owner = os.stat(run).st_uid
-    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # this user owns neither the folder nor its files
     monkeypatch.setattr(specdec.models.loader, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     overwrite = SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)
     with pytest.raises(OutputDirError, match=f"cannot delete {run}: this user may not delete what {run} holds"):
